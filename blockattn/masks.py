@@ -1,0 +1,357 @@
+"""MaskSpec: a declarative attention mask over a packed batch of ``total_len`` tokens.
+
+True means "query q attends key k". Structured masks are stored as at most two key intervals per
+query row (``row_intervals``), which is all the kernels need to apply the exact mask by index
+arithmetic and all the block classifier needs to find empty, partial and full tiles without ever
+materialising a ``[T, T]`` tensor. Masks that do not fit that form (an arbitrary ``mask_mod``, or
+compositions whose rows need more than two intervals) fall back to chunked evaluation of the
+vectorised ``mask_mod`` and to per-tile bitmasks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from blockattn.intervals import canonicalize, intersect, union
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Rows of q evaluated per chunk when a mask has no interval form (bounds peak memory at
+# roughly _EVAL_CHUNK_ELEMS booleans).
+_EVAL_CHUNK_ELEMS = 1 << 24
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+            value = int(value)
+        else:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_lengths(name: str, lengths) -> list[int]:
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.tolist()
+    try:
+        lengths = list(lengths)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints, got {type(lengths).__name__}") from None
+    for i, n in enumerate(lengths):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"{name}[{i}] must be an int, got {type(n).__name__} ({n!r})")
+        if n < 1:
+            raise ValueError(
+                f"{name}[{i}] = {n}: every length must be >= 1 (drop empty documents before packing)"
+            )
+    return lengths
+
+
+def _digest(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        if isinstance(p, torch.Tensor):
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        else:
+            h.update(repr(p).encode())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+class MaskSpec:
+    """An attention mask over ``total_len`` packed tokens (True = attend).
+
+    Build one with the class constructors (``causal``, ``documents``, ``sliding_window``, ...),
+    combine with ``&`` and ``|``; lower layers read ``row_intervals()``, ``mask_mod`` and
+    ``block_mask(block_size)``.
+    """
+
+    __slots__ = ("total_len", "_desc", "_interval_fn", "_intervals", "_user_mod", "_signature", "_block_masks")
+
+    def __init__(self, total_len: int, desc: str, *, interval_fn=None, user_mod: Optional[MaskMod] = None):
+        # Private: use the named constructors.
+        self.total_len = _check_int("total_len", total_len, 1)
+        self._desc = desc
+        self._interval_fn = interval_fn
+        self._intervals = None
+        self._user_mod = user_mod
+        self._signature = None
+        self._block_masks = {}
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def _from_intervals(cls, total_len: int, desc: str, fn) -> "MaskSpec":
+        return cls(total_len, desc, interval_fn=fn)
+
+    @classmethod
+    def full(cls, total_len: int) -> "MaskSpec":
+        """Every query attends every key."""
+        T = _check_int("total_len", total_len, 1)
+
+        def fn():
+            q = torch.arange(T, dtype=torch.int64)
+            return canonicalize([(torch.zeros_like(q), torch.full_like(q, T))], T)
+
+        return cls._from_intervals(T, f"full(T={T})", fn)
+
+    @classmethod
+    def causal(cls, total_len: int) -> "MaskSpec":
+        """Query q attends keys k <= q."""
+        T = _check_int("total_len", total_len, 1)
+
+        def fn():
+            q = torch.arange(T, dtype=torch.int64)
+            return canonicalize([(torch.zeros_like(q), q + 1)], T)
+
+        return cls._from_intervals(T, f"causal(T={T})", fn)
+
+    @classmethod
+    def sliding_window(cls, total_len: int, window: int) -> "MaskSpec":
+        """Causal with a window: ``0 <= q - k < window``."""
+        T = _check_int("total_len", total_len, 1)
+        W = _check_int("window", window, 1)
+
+        def fn():
+            q = torch.arange(T, dtype=torch.int64)
+            return canonicalize([((q - W + 1).clamp_min(0), q + 1)], T)
+
+        return cls._from_intervals(T, f"sliding_window(T={T},W={W})", fn)
+
+    @classmethod
+    def lambda_mask(cls, total_len: int, sink: int, window: int) -> "MaskSpec":
+        """Causal "lambda" mask: ``k <= q and (k < sink or q - k < window)`` (DCP: sink 64, window 4096)."""
+        T = _check_int("total_len", total_len, 1)
+        S = _check_int("sink", sink, 0)
+        W = _check_int("window", window, 1)
+
+        def fn():
+            q = torch.arange(T, dtype=torch.int64)
+            sink_hi = torch.minimum(torch.full_like(q, S), q + 1)
+            return canonicalize([(torch.zeros_like(q), sink_hi), ((q - W + 1).clamp_min(0), q + 1)], T)
+
+        return cls._from_intervals(T, f"lambda(T={T},S={S},W={W})", fn)
+
+    @classmethod
+    def documents(cls, seqlens: Sequence[int], causal: bool = True) -> "MaskSpec":
+        """Block-diagonal packed documents (``total_len = sum(seqlens)``), causal inside each by default."""
+        lens = _check_lengths("seqlens", seqlens)
+        if not lens:
+            raise ValueError("seqlens is empty: pass at least one document length")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        T = sum(lens)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+
+        def fn():
+            starts = torch.cumsum(lens_t, 0) - lens_t
+            doc_start = torch.repeat_interleave(starts, lens_t)
+            doc_end = torch.repeat_interleave(starts + lens_t, lens_t)
+            q = torch.arange(T, dtype=torch.int64)
+            return canonicalize([(doc_start, q + 1 if causal else doc_end)], T)
+
+        return cls._from_intervals(T, f"documents(n={len(lens)},T={T},causal={causal},h={_digest(lens_t)})", fn)
+
+    @classmethod
+    def shared_question(cls, question_len: int, answer_lens: Sequence[int]) -> "MaskSpec":
+        """``[question | answer_1 | ...]``: causal question; each answer sees the question and itself causally."""
+        Qn = _check_int("question_len", question_len, 1)
+        lens = _check_lengths("answer_lens", answer_lens)
+        T = Qn + sum(lens)
+        lens_t = torch.tensor([Qn] + lens, dtype=torch.int64)
+
+        def fn():
+            starts = torch.cumsum(lens_t, 0) - lens_t
+            seg_start = torch.repeat_interleave(starts, lens_t)
+            q = torch.arange(T, dtype=torch.int64)
+            is_answer = q >= Qn
+            question_hi = torch.where(is_answer, torch.full_like(q, Qn), torch.zeros_like(q))
+            return canonicalize([(torch.zeros_like(q), question_hi), (seg_start, q + 1)], T)
+
+        return cls._from_intervals(T, f"shared_question(Q={Qn},n={len(lens)},T={T},h={_digest(lens_t)})", fn)
+
+    @classmethod
+    def causal_blockwise(cls, total_len: int, block: int = 256, k_local: int = 2) -> "MaskSpec":
+        """DCP's causal-blockwise mask.
+
+        Block 0 is causal; a middle block attends block 0 plus keys in
+        ``[max(block, q - k_local*block), q]``; the last block attends everything before it causally.
+        """
+        T = _check_int("total_len", total_len, 1)
+        Bk = _check_int("block", block, 1)
+        K = _check_int("k_local", k_local, 1)
+
+        def fn():
+            q = torch.arange(T, dtype=torch.int64)
+            blk = q // Bk
+            last = (T - 1) // Bk
+            middle = (blk > 0) & (blk < last)
+            first_hi = torch.where(middle, torch.full_like(q, Bk), q + 1)
+            local_lo = torch.clamp_min(q - K * Bk, Bk)
+            local_hi = torch.where(middle, q + 1, torch.zeros_like(q))
+            local_lo = torch.where(middle, local_lo, torch.zeros_like(q))
+            return canonicalize([(torch.zeros_like(q), first_hi), (local_lo, local_hi)], T)
+
+        return cls._from_intervals(T, f"causal_blockwise(T={T},b={Bk},k={K})", fn)
+
+    @classmethod
+    def from_mask_mod(cls, mask_mod: Callable, total_len: int) -> "MaskSpec":
+        """Any vectorised ``mask_mod(q_idx, kv_idx) -> bool tensor`` (or FlexAttention's ``(b, h, q_idx, kv_idx)``)."""
+        T = _check_int("total_len", total_len, 1)
+        if not callable(mask_mod):
+            raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+        try:
+            n_params = len(inspect.signature(mask_mod).parameters)
+        except (TypeError, ValueError):
+            n_params = 2
+        if n_params == 4:
+            flex_mod = mask_mod
+            zero = torch.zeros((), dtype=torch.int64)
+
+            def mod(q_idx, kv_idx):
+                return flex_mod(zero, zero, q_idx, kv_idx)
+
+        elif n_params == 2:
+            mod = mask_mod
+        else:
+            raise TypeError(
+                f"mask_mod takes {n_params} arguments; expected (q_idx, kv_idx) or FlexAttention's (b, h, q_idx, kv_idx)"
+            )
+        name = getattr(mask_mod, "__qualname__", type(mask_mod).__name__)
+        spec = cls(T, f"mask_mod({name},T={T})", user_mod=mod)
+        # Fail fast, with the user's function in the traceback, rather than deep inside a kernel launch.
+        probe = spec._eval_user_mod(torch.arange(min(T, 4)).view(-1, 1), torch.arange(min(T, 4)).view(1, -1))
+        if probe.shape != (min(T, 4), min(T, 4)):
+            raise ValueError(
+                f"mask_mod must broadcast over its index tensors: q_idx [n, 1], kv_idx [1, n] gave shape {tuple(probe.shape)}"
+            )
+        return spec
+
+    # ------------------------------------------------------------------ composition
+    def _check_same_len(self, other, op: str) -> None:
+        if not isinstance(other, MaskSpec):
+            raise TypeError(f"cannot combine MaskSpec with {type(other).__name__} using {op}")
+        if other.total_len != self.total_len:
+            raise ValueError(
+                f"cannot combine masks of different total_len with {op}: {self.total_len} vs {other.total_len}"
+            )
+
+    def _combine(self, other: "MaskSpec", op: str) -> "MaskSpec":
+        self._check_same_len(other, op)
+        T = self.total_len
+        desc = f"({self._desc}{op}{other._desc})"
+        if self.has_intervals and other.has_intervals:
+            combine = intersect if op == "&" else union
+
+            def fn():
+                return combine(self.row_intervals(), other.row_intervals(), T)
+
+            spec = MaskSpec(T, desc, interval_fn=fn)
+            if spec.row_intervals() is not None:
+                return spec
+        a, b = self, other
+        if op == "&":
+            mod = lambda q, k: a.mask_mod(q, k) & b.mask_mod(q, k)  # noqa: E731
+        else:
+            mod = lambda q, k: a.mask_mod(q, k) | b.mask_mod(q, k)  # noqa: E731
+        return MaskSpec(T, desc, user_mod=mod)
+
+    def __and__(self, other: "MaskSpec") -> "MaskSpec":
+        return self._combine(other, "&")
+
+    def __or__(self, other: "MaskSpec") -> "MaskSpec":
+        return self._combine(other, "|")
+
+    # ------------------------------------------------------------------ evaluation
+    @property
+    def has_intervals(self) -> bool:
+        """True when the mask is (possibly) expressible as two key intervals per query row."""
+        return self._interval_fn is not None
+
+    def row_intervals(self) -> Optional[torch.Tensor]:
+        """int32 ``[4, T]`` rows ``lo1, hi1, lo2, hi2``: q attends k iff ``lo1<=k<hi1 or lo2<=k<hi2``; None if not expressible."""
+        if self._interval_fn is None:
+            return None
+        if self._intervals is None:
+            iv = self._interval_fn()
+            if iv is None:
+                self._interval_fn = None
+                return None
+            self._intervals = iv
+        return self._intervals
+
+    def _eval_user_mod(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        out = self._user_mod(q_idx, kv_idx)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"mask_mod must return a bool tensor, got {type(out).__name__}")
+        return out.to(torch.bool)
+
+    def mask_mod(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        """Vectorised mask over broadcastable global index tensors (int64)."""
+        q_idx = torch.as_tensor(q_idx, dtype=torch.int64)
+        kv_idx = torch.as_tensor(kv_idx, dtype=torch.int64)
+        iv = self.row_intervals()
+        if iv is None:
+            return self._eval_user_mod(q_idx, kv_idx)
+        T = self.total_len
+        in_range = (q_idx >= 0) & (q_idx < T)
+        rows = iv.to(torch.int64)[:, q_idx.clamp(0, T - 1)]
+        hit = ((kv_idx >= rows[0]) & (kv_idx < rows[1])) | ((kv_idx >= rows[2]) & (kv_idx < rows[3]))
+        return hit & in_range
+
+    def to_dense(self) -> torch.Tensor:
+        """The mask as ``torch.bool [T, T]`` (for tests and small T only)."""
+        T = self.total_len
+        rows = max(1, _EVAL_CHUNK_ELEMS // T)
+        k = torch.arange(T, dtype=torch.int64).view(1, T)
+        out = torch.empty(T, T, dtype=torch.bool)
+        for q0 in range(0, T, rows):
+            q = torch.arange(q0, min(T, q0 + rows), dtype=torch.int64).view(-1, 1)
+            out[q0 : q0 + q.shape[0]] = self.mask_mod(q, k).expand(q.shape[0], T)
+        return out
+
+    def signature(self) -> str:
+        """Deterministic key (same in every process) identifying this mask, for plan caching."""
+        if self._signature is None:
+            if self.row_intervals() is not None:
+                self._signature = f"iv:{self.total_len}:{_digest(self.row_intervals())}"
+            else:
+                # A user function has no stable identity across processes: hash what it computes.
+                h = hashlib.sha256()
+                T = self.total_len
+                rows = max(1, _EVAL_CHUNK_ELEMS // T)
+                k = torch.arange(T, dtype=torch.int64).view(1, T)
+                for q0 in range(0, T, rows):
+                    q = torch.arange(q0, min(T, q0 + rows), dtype=torch.int64).view(-1, 1)
+                    bits = self.mask_mod(q, k).expand(q.shape[0], T).contiguous().numpy()
+                    h.update(bits.tobytes())
+                self._signature = f"mod:{T}:{h.hexdigest()[:16]}"
+        return self._signature
+
+    def block_mask(self, block_size: int):
+        """Classify every (q-block, kv-block) tile as empty, partial or full (cached per block size)."""
+        from blockattn.block_mask import BlockMask
+
+        B = _check_int("block_size", block_size, 1)
+        bm = self._block_masks.get(B)
+        if bm is None:
+            bm = BlockMask.from_mask_spec(self, B)
+            self._block_masks[B] = bm
+        return bm
+
+    def __repr__(self) -> str:
+        return f"MaskSpec({self._desc})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, MaskSpec) and other.total_len == self.total_len and other.signature() == self.signature()
+
+    def __hash__(self) -> int:
+        return hash(self.signature())
+
+
+__all__ = ["MaskSpec"]
