@@ -206,7 +206,13 @@ class MaskSpec:
         if not callable(mask_mod):
             raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
         try:
-            n_params = len(inspect.signature(mask_mod).parameters)
+            # Parameters with defaults (e.g. ``lambda q, k, part=part: ...``) are bound already.
+            n_params = sum(
+                1
+                for prm in inspect.signature(mask_mod).parameters.values()
+                if prm.default is inspect.Parameter.empty
+                and prm.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            )
         except (TypeError, ValueError):
             n_params = 2
         if n_params == 4:
@@ -225,10 +231,15 @@ class MaskSpec:
         name = getattr(mask_mod, "__qualname__", type(mask_mod).__name__)
         spec = cls(T, f"mask_mod({name},T={T})", user_mod=mod)
         # Fail fast, with the user's function in the traceback, rather than deep inside a kernel launch.
-        probe = spec._eval_user_mod(torch.arange(min(T, 4)).view(-1, 1), torch.arange(min(T, 4)).view(1, -1))
-        if probe.shape != (min(T, 4), min(T, 4)):
+        n = min(T, 4)
+        probe = spec._eval_user_mod(torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1))
+        try:
+            ok = torch.broadcast_shapes(probe.shape, (n, n)) == (n, n)
+        except RuntimeError:
+            ok = False
+        if not ok:
             raise ValueError(
-                f"mask_mod must broadcast over its index tensors: q_idx [n, 1], kv_idx [1, n] gave shape {tuple(probe.shape)}"
+                f"mask_mod must broadcast over its index tensors: q_idx [{n}, 1], kv_idx [1, {n}] gave shape {tuple(probe.shape)}"
             )
         return spec
 

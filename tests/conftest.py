@@ -1,0 +1,21 @@
+"""Test-wide settings: Triton runs under its CPU interpreter when no GPU is present."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before triton is imported anywhere, so the kernels run on the CPU.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
+settings.register_profile("dev", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
