@@ -1,0 +1,175 @@
+"""Planner invariants over random masks, lengths, block sizes, world sizes and every strategy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockattn.masks import MaskSpec
+from blockattn.planner import STRATEGIES, Topology, check_plan, make_plan, payload_bytes
+from blockattn.planner.schedule import KIND_KV, KIND_OUT, KIND_Q
+
+HEADS = dict(num_q_heads=4, num_kv_heads=2, head_dim=16)
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def masks(draw, max_len: int = 700):
+    """Every structured MaskSpec kind, a composition and a mask_mod, with awkward lengths."""
+    kind = draw(st.sampled_from(["causal", "full", "window", "lambda", "documents", "documents_full",
+                                 "shared_question", "causal_blockwise", "docs_window", "mask_mod"]))
+    if kind in ("documents", "documents_full", "docs_window"):
+        lens = draw(st.lists(st.integers(1, 160), min_size=1, max_size=12))
+        spec = MaskSpec.documents(lens, causal=kind != "documents_full")
+        if kind == "docs_window":
+            spec = spec & MaskSpec.sliding_window(spec.total_len, draw(st.integers(1, 64)))
+        return spec
+    if kind == "shared_question":
+        return MaskSpec.shared_question(draw(st.integers(1, 200)), draw(st.lists(st.integers(1, 120), min_size=1, max_size=5)))
+    T = draw(st.integers(1, max_len))
+    if kind == "causal":
+        return MaskSpec.causal(T)
+    if kind == "full":
+        return MaskSpec.full(T)
+    if kind == "window":
+        return MaskSpec.sliding_window(T, draw(st.integers(1, 100)))
+    if kind == "lambda":
+        return MaskSpec.lambda_mask(T, draw(st.integers(1, 40)), draw(st.integers(1, 100)))
+    if kind == "causal_blockwise":
+        return MaskSpec.causal_blockwise(T, block=draw(st.integers(1, 64)), k_local=draw(st.integers(1, 3)))
+    T = min(T, 300)
+    stride = draw(st.integers(2, 7))
+    return MaskSpec.from_mask_mod(lambda q, k: (k <= q) & ((q - k) % stride != 1), T)
+
+
+def _check_invariants(spec: MaskSpec, plan, world_size: int) -> None:
+    T, B = spec.total_len, plan.block_size
+    bm = spec.block_mask(B)
+    check_plan(plan)  # inputs present by stage, receive-once, schedule == derived, per-rank views match
+
+    # every non-empty tile exactly once
+    tq, tk, tf = bm.tiles()
+    assert torch.equal(plan.tile_q, tq) and torch.equal(plan.tile_kv, tk) and torch.equal(plan.tile_full, tf)
+    assert plan.tile_rank.shape == tq.shape and plan.tile_stage.shape == tq.shape
+
+    # every token on exactly one rank
+    tokens = torch.cat([plan.local_tokens(r) for r in range(world_size)])
+    assert torch.equal(torch.sort(tokens).values, torch.arange(T))
+
+    # stats agree with the tile list and with the schedule rows recomputed by hand
+    s = plan.stats()
+    dense_pairs = int(spec.to_dense().sum())
+    assert sum(s["flops_fwd"]) == pytest.approx(4 * HEADS["head_dim"] * HEADS["num_q_heads"] * dense_pairs)
+    assert s["tokens"] == [plan.local_len(r) for r in range(world_size)] and sum(s["tokens"]) == T
+    esize = torch.empty((), dtype=plan.dtype).element_size()
+    for direction in ("fwd", "bwd"):
+        table = plan.schedule.table(direction).numpy().astype(np.int64)
+        block_len = np.minimum(B, T - table[:, 4] * B)
+        nbytes = payload_bytes(table[:, 3], block_len, element_size=esize, **HEADS)
+        sent = np.bincount(table[:, 1], weights=nbytes, minlength=world_size)
+        recv = np.bincount(table[:, 2], weights=nbytes, minlength=world_size)
+        assert s[f"bytes_sent_{direction}"] == sent.astype(np.int64).tolist()
+        assert s[f"bytes_recv_{direction}"] == recv.astype(np.int64).tolist()
+        assert s[f"sim_time_{direction}"] >= s[f"lower_bound_{direction}"] * (1 - 1e-9)
+
+    # backward mirrors forward: one DO and one DQ per OUT, one DKV per received KV
+    fwd, bwd = plan.schedule.fwd, plan.schedule.bwd
+    assert (bwd[:, 3] == 3).sum() == (fwd[:, 3] == KIND_OUT).sum() == (bwd[:, 3] == 4).sum()
+    assert (bwd[:, 3] == 5).sum() == (fwd[:, 3] == KIND_KV).sum()
+    assert (fwd[:, 3] == KIND_Q).sum() == (fwd[:, 3] == KIND_OUT).sum()
+
+
+@SETTINGS
+@given(spec=masks(), world_size=st.sampled_from([1, 2, 3, 4, 5, 7, 8]), block_size=st.sampled_from([None, 16, 32, 48]),
+       strategy=st.sampled_from(STRATEGIES))
+def test_plan_invariants(spec, world_size, block_size, strategy):
+    plan = make_plan(spec, world_size, strategy=strategy, block_size=block_size, **HEADS)
+    _check_invariants(spec, plan, world_size)
+    if strategy != "fcp":  # fcp sizes groups by compute; the others keep memory within two blocks
+        lens = plan.stats()["tokens"]
+        assert max(lens) - min(lens) <= 2 * plan.block_size
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_world_size_64_and_multi_node(strategy):
+    spec = MaskSpec.documents([1, 700, 33, 2000, 5, 900, 1])
+    plan = make_plan(spec, 64, strategy=strategy, block_size=16, topology=Topology(ranks_per_node=4), **HEADS)
+    _check_invariants(spec, plan, 64)
+
+
+def test_more_ranks_than_blocks():
+    spec = MaskSpec.causal(50)
+    plan = make_plan(spec, 7, block_size=32, **HEADS)
+    _check_invariants(spec, plan, 7)
+    assert sum(n == 0 for n in plan.stats()["tokens"]) == 5
+
+
+@SETTINGS
+@given(spec=masks(), world_size=st.integers(1, 6), strategy=st.sampled_from(STRATEGIES))
+def test_shard_unshard_roundtrip(spec, world_size, strategy):
+    plan = make_plan(spec, world_size, strategy=strategy, **HEADS)
+    x = torch.randn(spec.total_len, 3, 2)
+    parts = [plan.shard(x, r) for r in range(world_size)]
+    for r, part in enumerate(parts):
+        assert torch.equal(part, x[plan.local_tokens(r)])
+    assert torch.equal(plan.unshard(parts), x)
+    lse = torch.randn(3, spec.total_len)  # token axis last, as LSE [H, T]
+    assert torch.equal(plan.unshard([plan.shard(lse, r, dim=1) for r in range(world_size)], dim=1), lse)
+
+
+def test_local_tokens_are_whole_blocks_in_ascending_order():
+    spec = MaskSpec.causal(1000)
+    plan = make_plan(spec, 3, strategy="zigzag", block_size=64, **HEADS)
+    for r in range(3):
+        tokens = plan.local_tokens(r)
+        blocks = plan.local_blocks[r].long()
+        assert torch.equal(torch.unique_consecutive(tokens // 64), blocks)
+        assert torch.all(tokens[1:] > tokens[:-1])
+    assert plan.local_tokens(int(plan.block_home[-1]))[-1] == 999  # last block is short, not padded
+
+
+def test_cache_returns_same_plan_and_keys_on_every_argument():
+    spec = MaskSpec.causal(300)
+    a = make_plan(spec, 3, **HEADS)
+    assert make_plan(MaskSpec.causal(300), 3, **HEADS) is a
+    assert make_plan(spec, 3, dtype=torch.float32, **HEADS) is not a
+    assert make_plan(spec, 3, strategy="ring", **HEADS).strategy == "ring"
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(world_size=0), ValueError, "world_size"),
+        (dict(world_size=2.0), TypeError, "world_size"),
+        (dict(strategy="hypergraph"), ValueError, "unknown strategy"),
+        (dict(block_size=0), ValueError, "block_size"),
+        (dict(block_size=-16), ValueError, "block_size"),
+        (dict(num_q_heads=6, num_kv_heads=4), ValueError, "multiple of num_kv_heads"),
+        (dict(head_dim=0), ValueError, "head_dim"),
+        (dict(dtype=torch.int32), TypeError, "dtype"),
+        (dict(topology="nvlink"), TypeError, "topology"),
+        (dict(mask_spec="causal"), TypeError, "MaskSpec"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, words):
+    args = dict(mask_spec=MaskSpec.causal(100), world_size=2, **HEADS)
+    args.update(kwargs)
+    with pytest.raises(exc, match=words):
+        make_plan(args.pop("mask_spec"), args.pop("world_size"), **args)
+
+
+def test_bad_shard_and_unshard_arguments():
+    plan = make_plan(MaskSpec.causal(100), 3, **HEADS)
+    with pytest.raises(ValueError, match="rank"):
+        plan.local_tokens(3)
+    with pytest.raises(ValueError, match="100"):
+        plan.shard(torch.zeros(99, 2), 0)
+    with pytest.raises(ValueError, match="3 per-rank"):
+        plan.unshard([torch.zeros(1)])
+    with pytest.raises(TypeError, match="group"):
+        plan.unshard(torch.zeros(10))
+    with pytest.raises(ValueError, match="Topology"):
+        Topology(ranks_per_node=0)
