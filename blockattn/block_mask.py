@@ -46,9 +46,6 @@ class BlockMask:
     part_kv_ptr: torch.Tensor
     part_kv_idx: torch.Tensor
     part_count: torch.Tensor
-    tile_q: torch.Tensor
-    tile_kv: torch.Tensor
-    tile_full: torch.Tensor
     row_intervals: Optional[torch.Tensor]
     part_bits: Optional[torch.Tensor]
 
@@ -61,24 +58,24 @@ class BlockMask:
         nB = -(-T // B)
         iv = spec.row_intervals()
         if iv is not None:
-            tq, tk, state = _classify_intervals(iv.numpy().astype(np.int64), T, B, nB)
+            runs = _classify_intervals(iv.numpy().astype(np.int64), T, B, nB)
             bits = None
         else:
-            tq, tk, state, bits = _classify_mask_mod(spec, T, B, nB)
-        return cls._from_tiles(T, B, nB, tq, tk, state, iv, bits)
+            *runs, bits = _classify_mask_mod(spec, T, B, nB)
+        return cls._from_runs(T, B, nB, *runs, iv, bits)
 
     @classmethod
-    def _from_tiles(cls, T, B, nB, tq, tk, state, iv, bits) -> "BlockMask":
-        is_full = state == FULL
-        is_part = ~is_full
-        full_kv_ptr, full_kv_idx = _csr(tq[is_full], tk[is_full], nB)
-        part_kv_ptr, part_kv_idx = _csr(tq[is_part], tk[is_part], nB)
-        pq, pk = tq[is_part], tk[is_part]
+    def _from_runs(cls, T, B, nB, r_qb, r_k0, r_len, r_state, iv, bits) -> "BlockMask":
+        """Build from runs of same-state kv-blocks (sorted by q-block, then start)."""
+        full = r_state == FULL
+        fq, fk = _expand_runs(r_qb[full], r_k0[full], r_len[full])
+        pq, pk = _expand_runs(r_qb[~full], r_k0[~full], r_len[~full])
+        full_kv_ptr, full_kv_idx = _csr(fq, fk, nB)
+        part_kv_ptr, part_kv_idx = _csr(pq, pk, nB)
         if iv is not None:
             part_count = _partial_counts(iv.numpy().astype(np.int64), pq, pk, T, B)
         else:
             part_count = bits.sum(dim=(1, 2)).numpy().astype(np.int64)
-
         return cls(
             total_len=T,
             block_size=B,
@@ -88,12 +85,37 @@ class BlockMask:
             part_kv_ptr=part_kv_ptr,
             part_kv_idx=part_kv_idx,
             part_count=torch.from_numpy(part_count),
-            tile_q=torch.from_numpy(tq),
-            tile_kv=torch.from_numpy(tk),
-            tile_full=torch.from_numpy(is_full),
             row_intervals=iv,
             part_bits=bits,
         )
+
+    # ------------------------------------------------------------------ all tiles, q-major
+    @cached_property
+    def _tiles(self):
+        nB = self.num_blocks
+        fq = np.repeat(np.arange(nB, dtype=np.int32), np.diff(self.full_kv_ptr.numpy()))
+        pq = np.repeat(np.arange(nB, dtype=np.int32), np.diff(self.part_kv_ptr.numpy()))
+        tq = np.concatenate([fq, pq])
+        tk = np.concatenate([self.full_kv_idx.numpy(), self.part_kv_idx.numpy()])
+        is_full = np.concatenate([np.ones(fq.size, dtype=bool), np.zeros(pq.size, dtype=bool)])
+        # int64 key: (q-block, kv-block) order; both lists are already sorted inside each q-block.
+        order = np.argsort(tq.astype(np.int64) * nB + tk, kind="stable")
+        return torch.from_numpy(tq[order]), torch.from_numpy(tk[order]), torch.from_numpy(is_full[order])
+
+    @property
+    def tile_q(self) -> torch.Tensor:
+        """int32 q-block of every non-empty tile, sorted by (q-block, kv-block)."""
+        return self._tiles[0]
+
+    @property
+    def tile_kv(self) -> torch.Tensor:
+        """int32 kv-block of every non-empty tile, same order as ``tile_q``."""
+        return self._tiles[1]
+
+    @property
+    def tile_full(self) -> torch.Tensor:
+        """bool: the tile is FULL (else PARTIAL), same order as ``tile_q``."""
+        return self._tiles[2]
 
     # ------------------------------------------------------------------ transposed (kv-major) lists
     # Built on first use: only the backward pass and some planners need them, and for dense masks
@@ -101,8 +123,9 @@ class BlockMask:
     @cached_property
     def _transposed(self):
         nB = self.num_blocks
-        fq, fk = self.tile_q[self.tile_full].numpy(), self.tile_kv[self.tile_full].numpy()
-        pq, pk = self.tile_q[~self.tile_full].numpy(), self.tile_kv[~self.tile_full].numpy()
+        fq = np.repeat(np.arange(nB, dtype=np.int32), np.diff(self.full_kv_ptr.numpy()))
+        pq = np.repeat(np.arange(nB, dtype=np.int32), np.diff(self.part_kv_ptr.numpy()))
+        fk, pk = self.full_kv_idx.numpy(), self.part_kv_idx.numpy()
         # A stable sort by kv-block keeps q-blocks ascending inside each transposed row.
         order_f = np.argsort(_sort_key(fk, nB), kind="stable")
         order_p = np.argsort(_sort_key(pk, nB), kind="stable")
@@ -137,7 +160,7 @@ class BlockMask:
     @property
     def num_tiles(self) -> int:
         """Number of non-empty tiles."""
-        return int(self.tile_q.numel())
+        return int(self.full_kv_idx.numel() + self.part_kv_idx.numel())
 
     def block_len(self, block: torch.Tensor) -> torch.Tensor:
         """Valid token count of each block index (the last block may be short)."""
@@ -151,6 +174,7 @@ class BlockMask:
     def tile_pairs(self) -> torch.Tensor:
         """int64 unmasked (q, k) pairs of each tile, in ``tiles()`` order."""
         pairs = self.block_len(self.tile_q) * self.block_len(self.tile_kv)
+        # Partial tiles appear in tiles() in the same relative order as in the q-major partial list.
         pairs[~self.tile_full] = self.part_count
         return pairs
 
@@ -165,7 +189,7 @@ class BlockMask:
         return float(self.tile_pairs().sum()) / float(self.total_len) ** 2
 
     def __repr__(self) -> str:
-        n_full = int(self.tile_full.sum())
+        n_full = int(self.full_kv_idx.numel())
         return (
             f"BlockMask(T={self.total_len}, B={self.block_size}, blocks={self.num_blocks}, "
             f"full={n_full}, partial={self.num_tiles - n_full}, density={self.density():.4f})"
@@ -221,11 +245,15 @@ def _classify_intervals(iv: np.ndarray, T: int, B: int, nB: int):
     rows_in_block = np.bincount(qb, minlength=nB)
     state = np.where(np.rint(full) == rows_in_block[u_qb], FULL, np.where(np.rint(touch) > 0, PARTIAL, EMPTY))
     keep = same_block & (state != EMPTY) & (run_end > u_kb)
-    r_qb, r_k0, r_len, r_state = u_qb[keep], u_kb[keep], (run_end - u_kb)[keep], state[keep]
-    # Expand runs to tiles: kv index = run start + offset inside the run.
+    return u_qb[keep], u_kb[keep], (run_end - u_kb)[keep], state[keep]
+
+
+def _expand_runs(r_qb: np.ndarray, r_k0: np.ndarray, r_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of consecutive kv-blocks -> (q-block, kv-block) int32 pairs; kv = run start + offset."""
+    r_len = r_len.astype(np.int64)
     offsets = np.arange(int(r_len.sum()), dtype=np.int64) - np.repeat(np.cumsum(r_len) - r_len, r_len)
-    tk = np.repeat(r_k0, r_len) + offsets
-    return np.repeat(r_qb.astype(np.int32), r_len), tk.astype(np.int32), np.repeat(r_state.astype(np.int8), r_len)
+    tk = np.repeat(r_k0.astype(np.int64), r_len) + offsets
+    return np.repeat(r_qb.astype(np.int32), r_len), tk.astype(np.int32)
 
 
 def _partial_counts(iv: np.ndarray, pq: np.ndarray, pk: np.ndarray, T: int, B: int) -> np.ndarray:
@@ -271,5 +299,5 @@ def _classify_mask_mod(spec, T: int, B: int, nB: int):
         part = s == PARTIAL
         out_bits.append(tiles[torch.from_numpy(lq[part]), torch.from_numpy(lk[part])].clone())
     bits = torch.cat(out_bits) if out_bits else torch.zeros(0, B, B, dtype=torch.bool)
-    tq, tk = np.concatenate(out_q).astype(np.int32), np.concatenate(out_k).astype(np.int32)
-    return tq, tk, np.concatenate(out_s), bits
+    tq, tk = np.concatenate(out_q), np.concatenate(out_k)
+    return tq, tk, np.ones_like(tk), np.concatenate(out_s), bits
