@@ -1,0 +1,230 @@
+"""Planner benchmark: strategies side by side on realistic packed batches (simulated H200 cluster).
+
+For batches of 128K tokens drawn from real Wikipedia document lengths and from a long-tail
+(LongAlign-like, 8K-64K) mix, and for causal-document, per-document lambda (sink 64, window 4096),
+shared-question and causal-blockwise masks, at world sizes 8, 16, 32 (8 ranks per node, plus 16 at
+4 per node), it plans every strategy and records compute imbalance, bytes, simulated attention
+time (planner/cost_model.py) and the lower bound. It also times planning at 128K tokens / 8 ranks
+and 1M tokens / 64 ranks (block classification, the lead's BlockMask, timed separately).
+
+"zigzag-ring" is literal ring attention over the zigzag placement (every KV shard forwarded P-1
+times, one peer per step), the baseline DCP reports its speedups against; "zigzag" is the same
+placement inside this framework (each rank receives only the KV blocks it reads).
+
+    python bench/bench_planner.py [--quick] [--out bench/results/bench_planner.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from blockattn.masks import MaskSpec
+from blockattn.planner import Topology, clear_plan_cache, make_plan
+from blockattn.planner.baselines import ring_rotation_bytes
+from blockattn.planner.tiles import TileSet
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQLENS = ROOT.parent / "shared" / "data" / "wikipedia_seqlens.txt"
+HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)  # Llama-3-8B attention, bf16
+STRATEGIES = ("ring", "zigzag", "allgather", "fcp", "dcp")
+BLOCK = 128
+
+
+def pack(lengths: np.ndarray, total: int) -> list[int]:
+    """Consecutive documents until ``total`` tokens; the last one is truncated to fit."""
+    out, used = [], 0
+    for n in lengths.tolist():
+        n = min(int(n), total - used)
+        if n <= 0:
+            break
+        out.append(n)
+        used += n
+    if used < total:
+        out.append(total - used)
+    return out
+
+
+def wiki_batch(rng, wiki: np.ndarray, total: int) -> list[int]:
+    start = int(rng.integers(0, wiki.size - 1))
+    return pack(np.roll(wiki, -start)[: max(64, total // 16)], total)
+
+
+def longtail_batch(rng, total: int) -> list[int]:
+    lengths = np.exp(rng.uniform(math.log(8192), math.log(65536), size=total // 8192 + 1)).astype(np.int64)
+    return pack(lengths, total)
+
+
+def make_masks(lens: list[int]) -> dict:
+    T = sum(lens)
+    docs = MaskSpec.documents(lens)
+    question = min(max(lens[0], 1024), 16384, T - 1)
+    return {
+        "causal_docs": docs,
+        "lambda_docs": docs & MaskSpec.lambda_mask(T, 64, 4096),
+        "shared_question": MaskSpec.shared_question(question, pack(np.asarray(lens[1:] + [T]), T - question)),
+        "causal_blockwise": MaskSpec.causal_blockwise(T, block=4096, k_local=2),
+    }
+
+
+def literal_zigzag_ring(plan_zigzag, topology: Topology) -> dict:
+    """Ring attention on the zigzag placement: P-1 steps, each forwarding a whole KV shard to the next
+    rank while computing the tiles of the shard held (paper baseline)."""
+    p, cm = plan_zigzag, plan_zigzag.cost_model
+    P = p.world_size
+    home = p.block_home.numpy().astype(np.int64)
+    q, kv = p.tile_q.numpy().astype(np.int64), p.tile_kv.numpy().astype(np.int64)
+    flops = cm.tile_flops(p.tile_pairs.numpy(), num_q_heads=p.num_q_heads, head_dim=p.head_dim)
+    dist = (home[q] - home[kv]) % P
+    compute = np.bincount(home[q] * P + dist, weights=flops, minlength=P * P).reshape(P, P) / cm.fwd_rate
+    esize = torch.empty((), dtype=p.dtype).element_size()
+    shard = max(p.local_len(r) for r in range(P)) * 2 * p.num_kv_heads * p.head_dim * esize
+    crosses_node = P > topology.ranks_per_node
+    step = shard / (topology.inter_bw if crosses_node else topology.intra_bw) + (
+        topology.inter_lat if crosses_node else topology.intra_lat)
+    comm = np.full((P, P + 1), step)
+    comm[:, 0] = 0.0
+    comm[:, P:] = 0.0
+    fwd = cm.overlapped_time(compute, comm).max()
+    # backward: KV and dKV both travel around the ring (2x the bytes per step in fp32 grads + bf16 kv)
+    comm_bwd = comm * (1 + 4 / esize)
+    comm_bwd[:, 0] = 0.0
+    bwd = cm.overlapped_time(compute * cm.bwd_flops_factor, comm_bwd).max()
+    fwd_bytes = ring_rotation_bytes(p.total_len, P, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim, element_size=esize)
+    return {"sim_time_fwd": float(fwd), "sim_time_bwd": float(bwd), "bytes_fwd": fwd_bytes,
+            "bytes_bwd": int(fwd_bytes * (1 + 4 / esize)), "compute_imbalance": float(compute.sum(1).max() / compute.sum(1).mean())}
+
+
+def summarize(stats: dict) -> dict:
+    keys = ("compute_imbalance", "memory_imbalance", "bytes_fwd", "bytes_bwd", "sim_time_fwd", "sim_time_bwd",
+            "lower_bound_fwd", "lower_bound_bwd", "num_stages", "transfers")
+    return {k: stats[k] for k in keys}
+
+
+def time_planning(spec: MaskSpec, world_size: int, strategy: str, repeats: int) -> dict:
+    t0 = time.perf_counter()
+    bm = spec.block_mask(BLOCK)
+    classify = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    TileSet.from_block_mask(bm)
+    extract = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        clear_plan_cache()
+        t0 = time.perf_counter()
+        plan = make_plan(spec, world_size, strategy=strategy, block_size=BLOCK, check=False, **HEADS)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    from blockattn.planner import check_plan
+
+    check_plan(plan)
+    check = time.perf_counter() - t0
+    return {"tokens": spec.total_len, "world_size": world_size, "strategy": strategy, "tiles": int(plan.tile_q.numel()),
+            "plan_ms_min": 1e3 * min(times), "plan_ms_median": 1e3 * float(np.median(times)),
+            "block_classification_ms": 1e3 * classify, "tile_extraction_ms": 1e3 * extract, "check_plan_ms": 1e3 * check}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one batch per source, fewer configurations")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_planner.json"))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(args.seed)
+    wiki = np.loadtxt(SEQLENS, dtype=np.int64)
+    T = 128 * 1024
+    n_batches = 1 if args.quick else 3
+    configs = [(8, 8), (16, 8), (32, 8)] + ([] if args.quick else [(16, 4)])
+    batches = [("wikipedia", wiki_batch(rng, wiki, T)) for _ in range(n_batches)]
+    batches += [("longtail", longtail_batch(rng, T)) for _ in range(n_batches)]
+
+    results = []
+    progress = tqdm(total=len(batches) * 4 * len(configs), desc="plans")
+    for b, (src, lens) in enumerate(batches):
+        for mask_name, spec in make_masks(lens).items():
+            for P, rpn in configs:
+                progress.update(1)
+                if mask_name == "causal_blockwise" and src != "wikipedia":
+                    continue  # independent of the document lengths: once per batch index is enough
+                topo = Topology(ranks_per_node=rpn)
+                entry = {"source": src, "batch": b, "mask": mask_name, "world_size": P, "ranks_per_node": rpn,
+                         "documents": len(lens), "strategies": {}}
+                for strategy in STRATEGIES:
+                    plan = make_plan(spec, P, strategy=strategy, block_size=BLOCK, topology=topo, **HEADS)
+                    entry["strategies"][strategy] = summarize(plan.stats())
+                    if strategy == "zigzag":
+                        entry["strategies"]["zigzag-ring"] = literal_zigzag_ring(plan, topo)
+                clear_plan_cache()
+                results.append(entry)
+    progress.close()
+
+    # planning time: 128K / 8 ranks (both sources) and 1M / 64 ranks (Wikipedia)
+    timing = []
+    repeats = 3 if args.quick else 5
+    for src, lens in (("wikipedia", batches[0][1]), ("longtail", batches[n_batches][1])):
+        for strategy in ("dcp", "fcp", "zigzag"):
+            timing.append({"source": src, **time_planning(MaskSpec.documents(lens), 8, strategy, repeats)})
+    big = wiki_batch(rng, wiki, 1 << 20)
+    for strategy in ("dcp", "fcp", "zigzag"):
+        timing.append({"source": "wikipedia", **time_planning(MaskSpec.documents(big), 64, strategy, repeats)})
+
+    report = {"config": {"heads": HEADS, "dtype": "bfloat16", "block_size": BLOCK, "tokens": T, "quick": args.quick,
+                         "seed": args.seed, "host": platform.node(), "cpu_threads": torch.get_num_threads()},
+              "results": results, "planning_time": timing, "summary": summary(results)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print_report(report)
+    print(f"wrote {out}")
+
+
+def summary(results: list) -> dict:
+    """Per mask (and overall): geometric-mean speedup of dcp over zigzag and zigzag-ring, worst dcp
+    time / lower bound, worst dcp imbalance, and dcp bytes relative to the baselines."""
+    out = {}
+    for mask in sorted({r["mask"] for r in results}) + ["all"]:
+        rows = [r for r in results if mask in ("all", r["mask"])]
+        s = lambda name, key: np.array([r["strategies"][name][key] for r in rows], dtype=np.float64)  # noqa: E731
+        dcp_t, zz_t, ring_t = s("dcp", "sim_time_fwd"), s("zigzag", "sim_time_fwd"), s("zigzag-ring", "sim_time_fwd")
+        out[mask] = {
+            "cases": len(rows),
+            "speedup_vs_zigzag_geomean": float(np.exp(np.mean(np.log(zz_t / dcp_t)))),
+            "speedup_vs_zigzag_min": float((zz_t / dcp_t).min()),
+            "speedup_vs_zigzag_ring_geomean": float(np.exp(np.mean(np.log(ring_t / dcp_t)))),
+            "speedup_vs_zigzag_ring_min": float((ring_t / dcp_t).min()),
+            "speedup_bwd_vs_zigzag_geomean": float(np.exp(np.mean(np.log(s("zigzag", "sim_time_bwd") / s("dcp", "sim_time_bwd"))))),
+            "dcp_over_lower_bound_max": float((dcp_t / s("dcp", "lower_bound_fwd")).max()),
+            "dcp_bwd_over_lower_bound_max": float((s("dcp", "sim_time_bwd") / s("dcp", "lower_bound_bwd")).max()),
+            "dcp_imbalance_max": float(s("dcp", "compute_imbalance").max()),
+            "dcp_bytes_over_zigzag_max": float((s("dcp", "bytes_fwd") / np.maximum(1, s("zigzag", "bytes_fwd"))).max()),
+            "dcp_bytes_over_zigzag_ring_max": float((s("dcp", "bytes_fwd") / s("zigzag-ring", "bytes_fwd")).max()),
+            "fcp_speedup_vs_zigzag_geomean": float(np.exp(np.mean(np.log(zz_t / s("fcp", "sim_time_fwd"))))),
+        }
+    return out
+
+
+def print_report(report: dict) -> None:
+    print(f"{'mask':18s} {'cases':>5s} {'dcp/zz':>7s} {'min':>6s} {'dcp/zzR':>8s} {'min':>6s} {'dcp/LB':>7s} "
+          f"{'imb':>6s} {'B/zz':>6s} {'B/zzR':>6s} {'fcp/zz':>7s}")
+    for mask, s in report["summary"].items():
+        print(f"{mask:18s} {s['cases']:5d} {s['speedup_vs_zigzag_geomean']:7.2f} {s['speedup_vs_zigzag_min']:6.2f} "
+              f"{s['speedup_vs_zigzag_ring_geomean']:8.2f} {s['speedup_vs_zigzag_ring_min']:6.2f} "
+              f"{s['dcp_over_lower_bound_max']:7.3f} {s['dcp_imbalance_max']:6.3f} {s['dcp_bytes_over_zigzag_max']:6.2f} "
+              f"{s['dcp_bytes_over_zigzag_ring_max']:6.2f} {s['fcp_speedup_vs_zigzag_geomean']:7.2f}")
+    for t in report["planning_time"]:
+        print(f"plan {t['source']:9s} T={t['tokens']:8d} P={t['world_size']:2d} {t['strategy']:7s} tiles={t['tiles']:7d} "
+              f"plan {t['plan_ms_min']:7.2f} ms (median {t['plan_ms_median']:7.2f}), classification "
+              f"{t['block_classification_ms']:8.1f} ms, tile extraction {t['tile_extraction_ms']:6.1f} ms, check {t['check_plan_ms']:6.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

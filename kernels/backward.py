@@ -1,0 +1,201 @@
+"""Backward kernels: delta preprocess, dQ over q-major tile lists, dK/dV over kv-major (transposed) lists.
+
+Notation (docs/design.md): T total tokens, B block size, GROUP = Hq // Hkv. Scores in the exp2 domain:
+s2 = qk_scale * q.k with qk_scale = scale * log2 e, lse2 = LSE * log2 e, so P = exp2(s2 - lse2).
+delta = rowsum(O * dO); dS = P * (dP - delta) with dP = dO.V^T; dQ = scale * dS.K, dK = scale * dS^T.Q,
+dV = P^T.dO. Rows with LSE = -inf (no unmasked key) use lse2 = +inf so that P = 0 (no NaN).
+dK/dV programs own one kv head and loop over its GROUP q heads: deterministic, no atomics.
+All gradients are written in fp32; rows past T are neither read nor written.
+"""
+import triton
+import triton.language as tl
+
+from .forward import _load_rows
+from .mask_tile import LOG2E, bits_mask, interval_mask, interval_mask_t, load_intervals, mma
+
+
+@triton.jit
+def _load_lse2(Lse, row0, offs, valid):
+    """LSE of rows row0 + offs in the exp2 domain, +inf for empty rows and rows past T (so P = 0 there)."""
+    lse = tl.load(Lse + row0 + offs, mask=valid, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def attention_bwd_preprocess_kernel(
+    Out, DOut, Delta, R, stride_ot, stride_oh, stride_dt, stride_dh, stride_lh,
+    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.program_id(1)
+    valid = rows < R
+    rows64 = rows.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = tl.load(Out + rows64[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=valid[:, None], other=0.0)
+    do = tl.load(DOut + rows64[:, None] * stride_dt + h * stride_dh + offs_d[None, :], mask=valid[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + h.to(tl.int64) * stride_lh + rows64, delta, mask=valid)
+
+
+@triton.jit
+def attention_bwd_dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ,
+    WorkOrder, WorkRow, WorkGlob, FullPtr, FullRow, FullGlob, PartPtr, PartRow, PartGlob, PartBits,
+    Intervals, Bits,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_lh,
+    T, qk_scale, sm_scale,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr, HAS_BITS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
+    N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
+    pid = tl.program_id(0)
+    hq = tl.program_id(1)
+    hk = hq // GROUP
+    w = tl.load(WorkOrder + pid // M_SPLIT)
+    m_rel = (pid % M_SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_glob = tl.load(WorkGlob + w) + m_rel
+    offs_m = tl.arange(0, BLOCK_M)
+    q_row0 = (tl.load(WorkRow + w) + (pid % M_SPLIT) * BLOCK_M).to(tl.int64)
+    q_valid = q_glob < T
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q = _load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
+    do = _load_rows(DOut, q_row0, offs_m, stride_dot, hq * stride_doh, offs_d, q_valid, EVEN_T)
+    lse2 = _load_lse2(Lse + hq.to(tl.int64) * stride_lh, q_row0, offs_m, q_valid)
+    delta = tl.load(Delta + hq.to(tl.int64) * stride_lh + q_row0 + offs_m, mask=q_valid, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # FULL tiles: keys past T are loaded as zero rows, so they add nothing to dQ = dS.K
+    start = tl.load(FullPtr + w)
+    end = tl.load(FullPtr + w + 1)
+    for it in range(start * N_SPLIT, end * N_SPLIT):
+        j = it // N_SPLIT
+        n0 = (it % N_SPLIT) * BLOCK_N
+        k_glob = tl.load(FullGlob + j) + n0 + offs_n
+        kv_row0 = (tl.load(FullRow + j) + n0).to(tl.int64)
+        k_valid = k_glob < T
+        k = _load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T)
+        v = _load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T)
+        p = tl.math.exp2(mma(q, tl.trans(k), None, DOT_PREC) * qk_scale - lse2[:, None])
+        dp = mma(do, tl.trans(v), None, DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq = mma(ds.to(k.dtype), k, dq, DOT_PREC)
+
+    if HAS_INTERVALS:
+        lo1, hi1, lo2, hi2 = load_intervals(Intervals, T, q_glob, q_valid)
+    start = tl.load(PartPtr + w)
+    end = tl.load(PartPtr + w + 1)
+    for it in range(start * N_SPLIT, end * N_SPLIT):
+        j = it // N_SPLIT
+        n0 = (it % N_SPLIT) * BLOCK_N
+        k_glob = tl.load(PartGlob + j) + n0 + offs_n
+        kv_row0 = (tl.load(PartRow + j) + n0).to(tl.int64)
+        k_valid = k_glob < T
+        k = _load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T)
+        v = _load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T)
+        if HAS_BITS:
+            tile_bits = tl.load(PartBits + j)
+            keep = bits_mask(Bits, tile_bits, m_rel, n0 + offs_n, BLOCK, False)
+            if HAS_INTERVALS:
+                keep = tl.where(tile_bits >= 0, keep, interval_mask(lo1, hi1, lo2, hi2, k_glob))
+        else:
+            keep = interval_mask(lo1, hi1, lo2, hi2, k_glob)
+        s2 = mma(q, tl.trans(k), None, DOT_PREC) * qk_scale
+        p = tl.where(keep, tl.math.exp2(s2 - lse2[:, None]), 0.0)
+        dp = mma(do, tl.trans(v), None, DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq = mma(ds.to(k.dtype), k, dq, DOT_PREC)
+
+    dq_ptrs = DQ + q_row0 * stride_dqt + hq * stride_dqh + (offs_m[:, None] * stride_dqt + offs_d[None, :])
+    tl.store(dq_ptrs, dq * sm_scale, mask=q_valid[:, None])
+
+
+@triton.jit
+def attention_bwd_dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV,
+    WorkOrder, WorkRow, WorkGlob, FullPtr, FullRow, FullGlob, PartPtr, PartRow, PartGlob, PartBits,
+    Intervals, Bits,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    T, qk_scale, sm_scale,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr, HAS_BITS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    # here the work block is a kv-block (BLOCK_N rows per program) and partners are q-blocks (BLOCK_M)
+    N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
+    M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
+    pid = tl.program_id(0)
+    hk = tl.program_id(1)
+    w = tl.load(WorkOrder + pid // N_SPLIT)
+    n_rel = (pid % N_SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_glob = tl.load(WorkGlob + w) + n_rel
+    offs_n = tl.arange(0, BLOCK_N)
+    kv_row0 = (tl.load(WorkRow + w) + (pid % N_SPLIT) * BLOCK_N).to(tl.int64)
+    k_valid = k_glob < T
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    k = _load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T)
+    v = _load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    full_start = tl.load(FullPtr + w)
+    full_end = tl.load(FullPtr + w + 1)
+    part_start = tl.load(PartPtr + w)
+    part_end = tl.load(PartPtr + w + 1)
+
+    for g in range(GROUP):
+        hq = hk * GROUP + g
+        lse_h = Lse + hq.to(tl.int64) * stride_lh
+        delta_h = Delta + hq.to(tl.int64) * stride_lh
+        # FULL tiles: queries past T have dO = 0 and P = 0, so they add nothing
+        for it in range(full_start * M_SPLIT, full_end * M_SPLIT):
+            j = it // M_SPLIT
+            m0 = (it % M_SPLIT) * BLOCK_M
+            q_glob = tl.load(FullGlob + j) + m0 + offs_m
+            q_row0 = (tl.load(FullRow + j) + m0).to(tl.int64)
+            q_valid = q_glob < T
+            q = _load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
+            do = _load_rows(DOut, q_row0, offs_m, stride_dot, hq * stride_doh, offs_d, q_valid, EVEN_T)
+            lse2 = _load_lse2(lse_h, q_row0, offs_m, q_valid)
+            delta = tl.load(delta_h + q_row0 + offs_m, mask=q_valid, other=0.0)
+            pt = tl.math.exp2(mma(k, tl.trans(q), None, DOT_PREC) * qk_scale - lse2[None, :])
+            dv = mma(pt.to(do.dtype), do, dv, DOT_PREC)
+            dpt = mma(v, tl.trans(do), None, DOT_PREC)
+            dst = pt * (dpt - delta[None, :])
+            dk = mma(dst.to(q.dtype), q, dk, DOT_PREC)
+        for it in range(part_start * M_SPLIT, part_end * M_SPLIT):
+            j = it // M_SPLIT
+            m0 = (it % M_SPLIT) * BLOCK_M
+            q_glob = tl.load(PartGlob + j) + m0 + offs_m
+            q_row0 = (tl.load(PartRow + j) + m0).to(tl.int64)
+            q_valid = q_glob < T
+            q = _load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
+            do = _load_rows(DOut, q_row0, offs_m, stride_dot, hq * stride_doh, offs_d, q_valid, EVEN_T)
+            lse2 = _load_lse2(lse_h, q_row0, offs_m, q_valid)
+            delta = tl.load(delta_h + q_row0 + offs_m, mask=q_valid, other=0.0)
+            if HAS_BITS:
+                tile_bits = tl.load(PartBits + j)
+                keep = bits_mask(Bits, tile_bits, m0 + offs_m, n_rel, BLOCK, True)
+                if HAS_INTERVALS:
+                    lo1, hi1, lo2, hi2 = load_intervals(Intervals, T, q_glob, q_valid)
+                    keep = tl.where(tile_bits >= 0, keep, interval_mask_t(k_glob, lo1, hi1, lo2, hi2))
+            else:
+                lo1, hi1, lo2, hi2 = load_intervals(Intervals, T, q_glob, q_valid)
+                keep = interval_mask_t(k_glob, lo1, hi1, lo2, hi2)
+            s2 = mma(k, tl.trans(q), None, DOT_PREC) * qk_scale
+            pt = tl.where(keep, tl.math.exp2(s2 - lse2[None, :]), 0.0)
+            dv = mma(pt.to(do.dtype), do, dv, DOT_PREC)
+            dpt = mma(v, tl.trans(do), None, DOT_PREC)
+            dst = pt * (dpt - delta[None, :])
+            dk = mma(dst.to(q.dtype), q, dk, DOT_PREC)
+
+    dk_ptrs = DK + kv_row0 * stride_dkt + hk * stride_dkh + (offs_n[:, None] * stride_dkt + offs_d[None, :])
+    dv_ptrs = DV + kv_row0 * stride_dvt + hk * stride_dvh + (offs_n[:, None] * stride_dvt + offs_d[None, :])
+    tl.store(dk_ptrs, dk * sm_scale, mask=k_valid[:, None])
+    tl.store(dv_ptrs, dv, mask=k_valid[:, None])

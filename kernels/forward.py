@@ -1,0 +1,113 @@
+"""Forward kernel: masked blockwise attention over a q-major tile list (online softmax, exp2 domain).
+
+Notation (docs/design.md): T total tokens, B block size, one program = (BLOCK_M rows of a work q-block,
+one q head hq); hk = hq // GROUP is its kv head (GQA without repeating K/V). Partner kv-blocks are
+walked in BLOCK_N sub-tiles: FULL tiles first with no mask arithmetic, then PARTIAL tiles with the exact
+mask (intervals or per-tile bits). ``row`` = buffer row, ``glob`` = global token index.
+State per row: m_i running max of s2 = qk_scale * q.k (qk_scale = scale * log2 e), l_i running sum of
+exp2(s2 - m_i), acc the unnormalized output. Rows with no unmasked key end with O = 0, LSE = -inf.
+"""
+import triton
+import triton.language as tl
+
+from .mask_tile import LN2, LOG2E, bits_mask, interval_mask, load_intervals, mma, softmax_step
+
+
+@triton.jit
+def _load_rows(Ptr, row0, offs_r, stride_t, col0, offs_d, valid, EVEN: tl.constexpr):
+    """Load [len(offs_r), D] at buffer rows row0 + offs_r of one head; rows past T read as 0."""
+    # int64 scalar base + int32 tile offsets: 64-bit pointer math per element would cost registers
+    ptrs = Ptr + row0 * stride_t + col0 + (offs_r[:, None] * stride_t + offs_d[None, :])
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def attention_fwd_kernel(
+    Q, K, V, Out, Lse,
+    WorkOrder, WorkRow, WorkGlob, FullPtr, FullRow, FullGlob, PartPtr, PartRow, PartGlob, PartBits,
+    Intervals, Bits,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+    T, qk_scale,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr, HAS_BITS: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
+    N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
+    pid = tl.program_id(0)
+    hq = tl.program_id(1)
+    hk = hq // GROUP
+    w = tl.load(WorkOrder + pid // M_SPLIT)
+    m_rel = (pid % M_SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_glob = tl.load(WorkGlob + w) + m_rel
+    offs_m = tl.arange(0, BLOCK_M)
+    q_row0 = (tl.load(WorkRow + w) + (pid % M_SPLIT) * BLOCK_M).to(tl.int64)
+    q_valid = q_glob < T
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    q = _load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
+    o_ptrs = Out + q_row0 * stride_ot + hq * stride_oh + (offs_m[:, None] * stride_ot + offs_d[None, :])
+    l_ptrs = Lse + hq.to(tl.int64) * stride_lh + q_row0 + offs_m
+    if ACCUMULATE:
+        # resume from a normalized partial (O, LSE): m = LSE in exp2 domain, l = 1, acc = O
+        lse0 = tl.load(l_ptrs, mask=q_valid, other=float("-inf"))
+        m_i = lse0 * LOG2E
+        l_i = tl.where(lse0 == float("-inf"), 0.0, 1.0)
+        o0 = tl.load(o_ptrs, mask=q_valid[:, None], other=0.0).to(tl.float32)
+        acc = tl.where(l_i[:, None] > 0, o0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # FULL tiles: every valid (q, k) pair attends; only the ragged last block needs a column mask
+    start = tl.load(FullPtr + w)
+    end = tl.load(FullPtr + w + 1)
+    for it in range(start * N_SPLIT, end * N_SPLIT):
+        j = it // N_SPLIT
+        n0 = (it % N_SPLIT) * BLOCK_N
+        k_glob = tl.load(FullGlob + j) + n0 + offs_n
+        kv_row0 = (tl.load(FullRow + j) + n0).to(tl.int64)
+        k_valid = k_glob < T
+        k = _load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T)
+        v = _load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T)
+        s2 = mma(q, tl.trans(k), None, DOT_PREC) * qk_scale
+        if not EVEN_T:
+            s2 = tl.where(k_valid[None, :], s2, float("-inf"))
+        acc, m_i, l_i = softmax_step(acc, m_i, l_i, s2, v, not EVEN_T, DOT_PREC)
+
+    # PARTIAL tiles: exact mask by interval arithmetic or the tile's bitmask (none without a mask)
+    if HAS_INTERVALS or HAS_BITS:
+        if HAS_INTERVALS:
+            lo1, hi1, lo2, hi2 = load_intervals(Intervals, T, q_glob, q_valid)
+        start = tl.load(PartPtr + w)
+        end = tl.load(PartPtr + w + 1)
+        for it in range(start * N_SPLIT, end * N_SPLIT):
+            j = it // N_SPLIT
+            n0 = (it % N_SPLIT) * BLOCK_N
+            k_glob = tl.load(PartGlob + j) + n0 + offs_n
+            kv_row0 = (tl.load(PartRow + j) + n0).to(tl.int64)
+            k_valid = k_glob < T
+            k = _load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T)
+            v = _load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T)
+            s2 = mma(q, tl.trans(k), None, DOT_PREC) * qk_scale
+            if HAS_BITS:
+                tile_bits = tl.load(PartBits + j)
+                keep = bits_mask(Bits, tile_bits, m_rel, n0 + offs_n, BLOCK, False)
+                if HAS_INTERVALS:
+                    keep = tl.where(tile_bits >= 0, keep, interval_mask(lo1, hi1, lo2, hi2, k_glob))
+            else:
+                keep = interval_mask(lo1, hi1, lo2, hi2, k_glob)
+            keep = keep & k_valid[None, :] & q_valid[:, None]
+            s2 = tl.where(keep, s2, float("-inf"))
+            acc, m_i, l_i = softmax_step(acc, m_i, l_i, s2, v, True, DOT_PREC)
+
+    has_key = l_i > 0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_valid[:, None])
+    tl.store(l_ptrs, lse, mask=q_valid)

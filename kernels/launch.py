@@ -1,0 +1,324 @@
+"""Python entry points of the Triton kernels: validation, tile configuration, grid, launch.
+
+Notation (docs/design.md): layout THD, q [Rq, Hq, D], k/v [Rk, Hkv, D] (R = buffer rows, T = global
+tokens), lse/delta [Hq, Rq] fp32; B = KernelMask.block_size; GROUP = Hq // Hkv. Work blocks are split
+into BLOCK_M (forward, dQ) or BLOCK_N (dK/dV) row tiles per program; partner blocks are walked in
+sub-tiles of the other size. Programs are launched longest work block first.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
+from .forward import attention_fwd_kernel
+from .merge import merge_partials_kernel
+from .tiles import KernelMask, TileList
+
+__all__ = ["KernelConfig", "kernel_config", "interpreted", "attention_fwd", "merge_partials",
+           "attention_bwd_preprocess", "attention_bwd_dq", "attention_bwd_dkdv"]
+
+LOG2E = 1.4426950408889634
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch options of one kernel (BLOCK_M: q rows, BLOCK_N: kv rows per tile)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def interpreted() -> bool:
+    """True when the kernels were defined under TRITON_INTERPRET=1 (they then run on CPU tensors)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(attention_fwd_kernel, InterpretedFunction)
+
+
+def kernel_config(kind: str, block: int, head_dim: int, device: torch.device) -> KernelConfig:
+    """Default tiles for ``kind`` in {"fwd", "dq", "dkdv"}.
+
+    The interpreter pays per sub-tile in Python, so it takes whole blocks. On GPUs the choice follows
+    the sm_90a static report (bench/kernel_report.py): forward 128 x 128 (x 64 at D=256) with 8 warps;
+    dQ keeps 128 q rows against 32-key sub-tiles, dK/dV 128 key rows against 32-query sub-tiles
+    (the backward holds two more accumulators, so its partner tiles are narrower to avoid spills).
+    """
+    if device.type != "cuda":
+        return KernelConfig(block, block, 4, 1)
+    if kind == "fwd":
+        bm = min(block, 128)
+        bn = min(block, 128 if head_dim <= 128 else 64)
+        return KernelConfig(bm, bn, 8 if bm >= 128 else 4, 3 if head_dim <= 128 else 2)
+    if kind == "dq":
+        return KernelConfig(min(block, 128), min(block, 32), 8 if head_dim > 64 else 4, 3 if head_dim <= 128 else 1)
+    if kind == "dkdv":
+        return KernelConfig(min(block, 32), min(block, 128), 8 if head_dim > 64 else 4, 3 if head_dim <= 128 else 1)
+    raise ValueError(f"unknown kernel kind {kind!r}; expected 'fwd', 'dq' or 'dkdv'")
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------
+def _require_runnable(device: torch.device) -> None:
+    if device.type == "cpu" and not interpreted():
+        raise RuntimeError(
+            "Triton kernels got CPU tensors but were not built for the interpreter: set the environment "
+            "variable TRITON_INTERPRET=1 before importing blockattn, or use backend='torch'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"Triton kernels run on CUDA (or CPU with TRITON_INTERPRET=1), got device {device}")
+
+
+def _check_head_tensor(name: str, t: Tensor, dtype=None, device=None) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(f"{name} must be [rows, heads, head_dim] (THD), got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but q has {dtype}; cast them to one dtype")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}; move them to one device")
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_qkv(q, k, v):
+    q = _check_head_tensor("q", q)
+    k = _check_head_tensor("k", k, q.dtype, q.device)
+    v = _check_head_tensor("v", v, q.dtype, q.device)
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv}) for GQA")
+    if k.shape[2] != D:
+        raise ValueError(f"head dims differ: q has {D}, k/v have {k.shape[2]}")
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
+    _require_runnable(q.device)
+    return q, k, v
+
+
+def _check_tiles(tiles: TileList, mask: KernelMask, device: torch.device):
+    if not isinstance(tiles, TileList):
+        raise TypeError(f"tiles must be a TileList, got {type(tiles).__name__}")
+    if not isinstance(mask, KernelMask):
+        raise TypeError(f"mask must be a KernelMask, got {type(mask).__name__}")
+    B = mask.block_size
+    if B < 16 or B & (B - 1):
+        raise ValueError(f"the kernels need a power-of-two block size >= 16, got {B}")
+    if tiles.device != device:
+        raise ValueError(f"tile list is on {tiles.device} but the tensors on {device}; use tiles.to({str(device)!r})")
+    if tiles.num_partial and mask.intervals is None and mask.bits is None:
+        raise ValueError("the tile list has partial tiles but the KernelMask has neither intervals nor bits")
+    for name, t in (("intervals", mask.intervals), ("bits", mask.bits)):
+        if t is not None and t.device != device:
+            raise ValueError(f"KernelMask.{name} is on {t.device} but the tensors on {device}; use mask.to(...)")
+
+
+def _work_order(tiles: TileList) -> Tensor:
+    cached = tiles.__dict__.get("_work_order")
+    if cached is None:
+        cached = tiles.work_order()
+        object.__setattr__(tiles, "_work_order", cached)  # frozen dataclass: cache outside the fields
+    return cached
+
+
+def _mask_args(mask: KernelMask, device):
+    dummy = torch.zeros(1, dtype=torch.int32, device=device)
+    iv = mask.intervals if mask.intervals is not None else dummy
+    bits = mask.bits if mask.bits is not None else dummy.to(torch.uint8)
+    return iv, bits, mask.intervals is not None, mask.bits is not None
+
+
+def _tile_args(tiles: TileList):
+    return (_work_order(tiles), tiles.work_row, tiles.work_glob, tiles.full_ptr, tiles.full_row, tiles.full_glob,
+            tiles.part_ptr, tiles.part_row, tiles.part_glob, tiles.part_bits)
+
+
+def _scale(scale, D):
+    return 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+
+def _dot_precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_lse(name, t, H, R, device):
+    if t.dtype != torch.float32 or tuple(t.shape) != (H, R) or t.stride(1) != 1:
+        raise ValueError(f"{name} must be fp32 [H={H}, R={R}] with unit row stride, got {t.dtype} {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+# --------------------------------------------------------------------------------------------
+# entry points
+# --------------------------------------------------------------------------------------------
+def attention_fwd(q, k, v, tiles: TileList, mask: KernelMask, scale=None, *, out=None, lse=None,
+                  accumulate=False, config: KernelConfig | None = None):
+    """Masked attention of the work q-blocks of ``tiles``; returns (out [Rq, Hq, D], lse [Hq, Rq] fp32).
+
+    Only rows of work blocks are written; fresh ``out``/``lse`` start as the empty partial (0, -inf).
+    ``accumulate=True`` resumes from the given (out, lse) (fused merge of a partial over other keys).
+    """
+    q, k, v = _check_qkv(q, k, v)
+    _check_tiles(tiles, mask, q.device)
+    Rq, Hq, D = q.shape
+    if accumulate and (out is None or lse is None):
+        raise ValueError("accumulate=True needs the running state: pass out= and lse=")
+    if out is None:
+        out = torch.zeros_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 or out.device != q.device:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with unit last stride, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    if lse is None:
+        lse = torch.full((Hq, Rq), float("-inf"), dtype=torch.float32, device=q.device)
+    _check_lse("lse", lse, Hq, Rq, q.device)
+    if tiles.num_work == 0:
+        return out, lse
+    B, T = mask.block_size, mask.total_len
+    cfg = config or kernel_config("fwd", B, D, q.device)
+    iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
+    scale = _scale(scale, D)
+    grid = (tiles.num_work * (B // cfg.block_m), Hq)
+    attention_fwd_kernel[grid](
+        q, k, v, out, lse, *_tile_args(tiles), iv, bits,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        T, scale * LOG2E,
+        GROUP=Hq // k.shape[1], BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
+        EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, ACCUMULATE=bool(accumulate),
+        DOT_PREC=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out, lse
+
+
+def merge_partials(outs, lses):
+    """Merge N partials of the same rows: ``outs`` [N, R, H, D] (or a list of [R, H, D]),
+    ``lses`` [N, H, R] fp32 (or a list of [H, R]); returns (out [R, H, D], lse [H, R])."""
+    if isinstance(outs, (list, tuple)):
+        if len(outs) == 0 or len(outs) != len(lses):
+            raise ValueError(f"merge_partials needs as many lses as outs (>= 1), got {len(outs)} and {len(lses)}")
+        outs, lses = torch.stack(list(outs)), torch.stack(list(lses))
+    if outs.dim() != 4 or lses.dim() != 3:
+        raise ValueError(f"outs must be [N, R, H, D] and lses [N, H, R], got {tuple(outs.shape)}, {tuple(lses.shape)}")
+    N, R, H, D = outs.shape
+    if tuple(lses.shape) != (N, H, R) or lses.dtype != torch.float32:
+        raise ValueError(f"lses must be fp32 [N={N}, H={H}, R={R}], got {lses.dtype} {tuple(lses.shape)}")
+    if outs.dtype not in SUPPORTED_DTYPES or D < 1 or D & (D - 1):
+        raise ValueError(f"outs must be fp16/bf16/fp32 with a power-of-two head dim, got {outs.dtype}, D={D}")
+    if lses.device != outs.device:
+        raise ValueError(f"outs on {outs.device} and lses on {lses.device}; move them to one device")
+    _require_runnable(outs.device)
+    outs = outs if outs.stride(-1) == 1 else outs.contiguous()
+    lses = lses if lses.stride(-1) == 1 else lses.contiguous()
+    out = torch.empty((R, H, D), dtype=outs.dtype, device=outs.device)
+    lse = torch.empty((H, R), dtype=torch.float32, device=outs.device)
+    if R == 0 or H == 0:
+        return out, lse
+    block_r = 64 if outs.device.type == "cuda" else 32
+    merge_partials_kernel[(triton_cdiv(R, block_r), H)](
+        outs, lses, out, lse, N, R,
+        outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0), lses.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        BLOCK_R=block_r, HEAD_DIM=D, num_warps=4)
+    return out, lse
+
+
+def attention_bwd_preprocess(out, dout):
+    """delta [H, R] fp32 = rowsum(out * dout) per head."""
+    out = _check_head_tensor("out", out)
+    dout = _check_head_tensor("dout", dout, None, out.device)
+    if dout.shape != out.shape:
+        raise ValueError(f"dout {tuple(dout.shape)} must match out {tuple(out.shape)}")
+    _require_runnable(out.device)
+    R, H, D = out.shape
+    delta = torch.empty((H, R), dtype=torch.float32, device=out.device)
+    if R == 0:
+        return delta
+    block_r = 64 if out.device.type == "cuda" else 32
+    attention_bwd_preprocess_kernel[(triton_cdiv(R, block_r), H)](
+        out, dout, delta, R, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
+        BLOCK_R=block_r, HEAD_DIM=D, num_warps=4)
+    return delta
+
+
+def _bwd_common(q, k, v, dout, lse, delta, tiles, mask):
+    q, k, v = _check_qkv(q, k, v)
+    dout = _check_head_tensor("dout", dout, q.dtype, q.device)
+    if dout.shape != q.shape:
+        raise ValueError(f"dout {tuple(dout.shape)} must match q {tuple(q.shape)}")
+    _check_lse("lse", lse, q.shape[1], q.shape[0], q.device)
+    _check_lse("delta", delta, q.shape[1], q.shape[0], q.device)
+    _check_tiles(tiles, mask, q.device)
+    return q, k, v, dout
+
+
+def _grad_buffer(name, given, shape, device):
+    if given is None:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    if tuple(given.shape) != tuple(shape) or given.dtype != torch.float32 or not given.is_contiguous() \
+            or given.device != device:
+        raise ValueError(f"{name} must be a contiguous fp32 {tuple(shape)} tensor on {device}, "
+                         f"got {given.dtype} {tuple(given.shape)}")
+    return given
+
+
+def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMask, scale=None, *,
+                     out=None, config: KernelConfig | None = None):
+    """dQ (fp32 [Rq, Hq, D]) over a q-major tile list; only rows of work blocks are written
+    (into ``out`` when given, else a fresh zero tensor)."""
+    q, k, v, dout = _bwd_common(q, k, v, dout, lse, delta, tiles, mask)
+    Rq, Hq, D = q.shape
+    dq = _grad_buffer("out", out, q.shape, q.device)
+    if tiles.num_work == 0:
+        return dq
+    B, T = mask.block_size, mask.total_len
+    cfg = config or kernel_config("dq", B, D, q.device)
+    iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
+    scale = _scale(scale, D)
+    attention_bwd_dq_kernel[(tiles.num_work * (B // cfg.block_m), Hq)](
+        q, k, v, dout, lse, delta, dq, *_tile_args(tiles), iv, bits,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+        T, scale * LOG2E, scale,
+        GROUP=Hq // k.shape[1], BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
+        EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dq
+
+
+def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: KernelMask, scale=None, *,
+                       out=None, config: KernelConfig | None = None):
+    """(dK, dV) (fp32 [Rk, Hkv, D]) over a kv-major tile list; GQA heads reduced in-program.
+    Only rows of work blocks are written (into ``out = (dk, dv)`` when given, else fresh zeros)."""
+    q, k, v, dout = _bwd_common(q, k, v, dout, lse, delta, tiles_t, mask)
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k.shape[1]
+    dk = _grad_buffer("out[0]", None if out is None else out[0], k.shape, q.device)
+    dv = _grad_buffer("out[1]", None if out is None else out[1], k.shape, q.device)
+    if tiles_t.num_work == 0:
+        return dk, dv
+    B, T = mask.block_size, mask.total_len
+    cfg = config or kernel_config("dkdv", B, D, q.device)
+    iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
+    scale = _scale(scale, D)
+    attention_bwd_dkdv_kernel[(tiles_t.num_work * (B // cfg.block_n), Hkv)](
+        q, k, v, dout, lse, delta, dk, dv, *_tile_args(tiles_t), iv, bits,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+        T, scale * LOG2E, scale,
+        GROUP=Hq // Hkv, BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
+        EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dk, dv
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

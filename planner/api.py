@@ -1,0 +1,147 @@
+"""make_plan: validate arguments, classify the mask, run a strategy, build and check the Plan.
+
+Notation (docs/design.md): T tokens, B block size, nB blocks, P ranks (world size).
+Plans are cached (LRU) by the mask signature and every argument, so repeated batches with the same
+mask cost one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from . import baselines
+from .cost_model import CostModel, Topology
+from .placement import Placement, compact_stages
+from .plan import Plan
+from .schedule import check_plan, derive_schedule
+from .tiles import TileSet
+
+DEFAULT_BLOCK_SIZE = 128
+MIN_AUTO_BLOCK_SIZE = 16
+MAX_WORLD_SIZE = 1 << 16
+_CACHE_SIZE = 32
+_cache: "OrderedDict[tuple, Plan]" = OrderedDict()
+
+
+def _strategies() -> dict:
+    from . import dcp, fcp  # late import: they import this module's helpers
+
+    return {
+        "dcp": dcp.dcp,
+        "fcp": fcp.fcp,
+        "ring": baselines.ring,
+        "zigzag": baselines.zigzag,
+        "allgather": baselines.allgather,
+    }
+
+
+STRATEGIES = ("dcp", "fcp", "ring", "zigzag", "allgather")
+
+
+def default_block_size(total_len: int, world_size: int) -> int:
+    """128 (the kernels' tile), halved (down to 16) while there are fewer than 4 blocks per zigzag
+    chunk, so small batches still split evenly over 2P chunks."""
+    B = DEFAULT_BLOCK_SIZE
+    while B > MIN_AUTO_BLOCK_SIZE and -(-total_len // B) < 8 * world_size:
+        B //= 2
+    return B
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+              dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
+              topology: Topology | None = None, max_stages: int = 4, check: bool = True) -> Plan:
+    """Plan one batch: which rank holds each token block, which rank computes each non-empty tile
+    in which stage, and every transfer that implies (see docs/design.md, "Plan").
+
+    ``strategy``: "dcp" (default), "fcp", or a baseline "ring", "zigzag", "allgather".
+    ``topology``: ranks per node and link speeds (default: 8 H200 per node, NVLink + 400 Gb/s).
+    ``max_stages``: upper bound on communication stages for dcp/fcp (stage 0 excluded).
+    ``check``: verify the plan's consistency (planner/schedule.py ``check_plan``) before returning.
+    """
+    world_size = _check_positive_int("world_size", world_size)
+    if world_size > MAX_WORLD_SIZE:
+        raise ValueError(f"world_size {world_size} exceeds the supported maximum {MAX_WORLD_SIZE}")
+    num_q_heads = _check_positive_int("num_q_heads", num_q_heads)
+    num_kv_heads = _check_positive_int("num_kv_heads", num_kv_heads)
+    head_dim = _check_positive_int("head_dim", head_dim)
+    max_stages = _check_positive_int("max_stages", max_stages)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) for GQA")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if topology is None:
+        topology = Topology()
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a blockattn.planner.Topology, got {type(topology).__name__}")
+    for attr in ("total_len", "signature", "block_mask"):
+        if not hasattr(mask_spec, attr):
+            raise TypeError(f"mask_spec must be a blockattn MaskSpec (missing .{attr}), got {type(mask_spec).__name__}")
+    total_len = int(mask_spec.total_len)
+    if block_size is None:
+        block_size = default_block_size(total_len, world_size)
+    block_size = _check_positive_int("block_size", block_size)
+
+    key = (mask_spec.signature(), world_size, num_q_heads, num_kv_heads, head_dim, str(dtype), block_size,
+           strategy, topology.key(), max_stages)
+    cached = _cache.get(key)
+    if cached is not None:
+        _cache.move_to_end(key)
+        return cached
+
+    tiles = TileSet.from_block_mask(mask_spec.block_mask(block_size))
+    cost_model = CostModel(topology=topology)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    placement = _strategies()[strategy](
+        tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, element_size=element_size, max_stages=max_stages)
+    plan = build_plan(tiles, placement, strategy=strategy, world_size=world_size, num_q_heads=num_q_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                      mask_signature=mask_spec.signature(), cost_model=cost_model)
+    if check:
+        check_plan(plan)
+    _cache[key] = plan
+    while len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return plan
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan."""
+    _cache.clear()
+
+
+def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_size: int, num_q_heads: int,
+               num_kv_heads: int, head_dim: int, dtype: torch.dtype, mask_signature: str,
+               cost_model: CostModel) -> Plan:
+    """Turn a strategy's Placement into a Plan (stages compacted, schedule derived)."""
+    home = np.asarray(placement.block_home, dtype=np.int64)
+    rank = np.asarray(placement.tile_rank, dtype=np.int64)
+    stage, num_stages = compact_stages(placement.tile_stage)
+    schedule = placement.schedule
+    if schedule is None or schedule.num_stages != num_stages or not np.array_equal(stage, placement.tile_stage):
+        schedule = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks,
+                                   num_stages=num_stages, world_size=world_size)
+    as32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+    order = np.argsort(home, kind="stable")
+    counts = np.bincount(home, minlength=world_size)
+    local = tuple(as32(part) for part in np.split(order, np.cumsum(counts)[:-1]))
+    return Plan(
+        strategy=strategy, world_size=world_size, total_len=tiles.total_len, block_size=tiles.block_size,
+        num_blocks=tiles.num_blocks, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        dtype=dtype, mask_signature=mask_signature, block_home=as32(home), local_blocks=local,
+        tile_q=as32(tiles.q), tile_kv=as32(tiles.kv), tile_full=torch.from_numpy(tiles.full.copy()),
+        tile_rank=as32(rank), tile_stage=as32(stage), num_stages=num_stages, schedule=schedule,
+        tile_pairs=torch.from_numpy(tiles.pairs.astype(np.int64)), cost_model=cost_model)

@@ -1,0 +1,102 @@
+"""Cost model: H200 compute and NVLink / 400 Gb/s interconnect, used to score plans.
+
+Notation (docs/design.md): P ranks, a plan's stages s = 0..S-1, transfers of stage s in 0..S.
+
+Model (stated once, used by ``Plan.stats()`` and by the dcp stage splitter):
+
+* Compute: forward FLOPs of a tile = ``4 * D * Hq * pairs`` (QK^T and PV, 2 FLOPs per MAC, over the
+  exact unmasked pair count). Backward = ``bwd_flops_factor`` (2.5) x forward. Rates are attainable
+  attention throughputs on one H200 (bf16 dense peak ~990 TFLOP/s; FlashAttention-3 class kernels
+  reach ~500 TFLOP/s forward), so time = FLOPs / ``fwd_rate``.
+* Communication of rank r in stage s: bytes it sends and bytes it receives (from the CommSchedule
+  rows), split into intra-node and inter-node. Links are full duplex and NVLink and the NIC work in
+  parallel, so ``comm(r, s) = max(send_intra, recv_intra) / intra_bw`` vs the same for inter-node,
+  whichever is larger, plus one latency (the inter-node one if any inter-node row exists).
+* Overlap: stage s+1's transfers are posted before stage s computes, so
+  ``time(r) = comm(r, 0) + sum_{s<S} max(compute(r, s), comm(r, s + 1))`` (the last term carries
+  the OUT / DQ / DKV partials of stage S). The plan's time is the max over ranks. This is
+  per-rank: it does not model a rank waiting on a slower peer, so it is a lower estimate of
+  lock-step execution but exact for the bytes and FLOPs.
+* Lower bound: total FLOPs / (P x rate), i.e. perfect balance and fully hidden communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Interconnect: consecutive ranks ``[k * ranks_per_node, (k + 1) * ranks_per_node)`` share a node.
+
+    Bandwidths are bytes/s per GPU per direction, latencies seconds per stage transfer.
+    Defaults: H200 HGX (NVLink 4, ~450 GB/s per direction) and one 400 Gb/s NIC per GPU.
+    """
+
+    ranks_per_node: int = 8
+    intra_bw: float = 450e9
+    inter_bw: float = 50e9
+    intra_lat: float = 5e-6
+    inter_lat: float = 15e-6
+
+    def __post_init__(self):
+        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"Topology.ranks_per_node must be a positive int, got {self.ranks_per_node!r}")
+        for name in ("intra_bw", "inter_bw"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Topology.{name} must be > 0 bytes/s, got {getattr(self, name)!r}")
+        for name in ("intra_lat", "inter_lat"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"Topology.{name} must be >= 0 seconds, got {getattr(self, name)!r}")
+
+    def node_of(self, rank):
+        """Node index of rank(s)."""
+        return np.asarray(rank) // self.ranks_per_node
+
+    def key(self) -> tuple:
+        return (self.ranks_per_node, float(self.intra_bw), float(self.inter_bw),
+                float(self.intra_lat), float(self.inter_lat))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Compute rates plus a Topology (see module docstring)."""
+
+    topology: Topology = Topology()
+    fwd_rate: float = 500e12  # attainable attention FLOP/s forward on one H200
+    bwd_flops_factor: float = 2.5  # backward FLOPs / forward FLOPs (dQ, dK, dV + recompute of P)
+
+    def tile_flops(self, pairs, *, num_q_heads: int, head_dim: int) -> np.ndarray:
+        """Forward FLOPs of tiles with ``pairs`` unmasked (q, k) pairs."""
+        return 4.0 * head_dim * num_q_heads * np.asarray(pairs, dtype=np.float64)
+
+    def stage_comm_time(self, table: np.ndarray, nbytes: np.ndarray, world_size: int, num_stages: int) -> np.ndarray:
+        """float64 [P, S + 1]: communication time of every rank in every transfer stage."""
+        topo = self.topology
+        P, S1 = world_size, num_stages + 1
+        stage, src, dst = table[:, 0], table[:, 1], table[:, 2]
+        inter = topo.node_of(src) != topo.node_of(dst)
+        nbytes = nbytes.astype(np.float64)
+        size = P * S1
+
+        def load(rank, mask):
+            return np.bincount(rank[mask] * S1 + stage[mask], weights=nbytes[mask], minlength=size).reshape(P, S1)
+
+        intra_t = np.maximum(load(src, ~inter), load(dst, ~inter)) / topo.intra_bw
+        inter_t = np.maximum(load(src, inter), load(dst, inter)) / topo.inter_bw
+        count = np.ones_like(nbytes)
+
+        def any_rows(mask):
+            c = np.bincount(src[mask] * S1 + stage[mask], weights=count[mask], minlength=size)
+            c += np.bincount(dst[mask] * S1 + stage[mask], weights=count[mask], minlength=size)
+            return c.reshape(P, S1) > 0
+
+        lat = np.where(any_rows(inter), topo.inter_lat, np.where(any_rows(~inter), topo.intra_lat, 0.0))
+        return np.maximum(intra_t, inter_t) + lat
+
+    @staticmethod
+    def overlapped_time(compute: np.ndarray, comm: np.ndarray) -> np.ndarray:
+        """Per-rank time [P] from compute [P, S] and comm [P, S + 1] with stage s+1 hidden behind s."""
+        return comm[:, 0] + np.maximum(compute, comm[:, 1:]).sum(axis=1)

@@ -1,0 +1,109 @@
+""""fcp" strategy: flexible context parallelism - segments packed onto flexible groups of ranks.
+
+Notation (docs/design.md): nB blocks, P ranks, tile (qb, kb); M = mean per-rank forward FLOPs;
+``cap = ceil(nB / P)`` blocks of memory per rank.
+
+1. Segments: the block sequence is cut wherever at most ``SEGMENT_CUT`` tiles cross a boundary -
+   packed documents (and groups of short documents sharing blocks) become independent segments,
+   each with a token count and a compute weight (FLOPs of the tiles of its q-blocks).
+2. Pieces: a segment larger than ``cap / PIECES_PER_RANK`` blocks is cut into pieces of that size,
+   so a long document is spread over a group of ranks whose size follows from its cost and length
+   (any size, not a power of two) - FCP's flexible groups.
+3. Packing (polynomial, LPT with capacity): pieces by decreasing compute, each to the least loaded
+   rank that still has memory room (a piece larger than the room is split and the rest re-queued);
+   pieces of an already placed segment prefer that segment's node when it is nearly as idle.
+   Every rank ends with at most ``cap`` blocks, so memory stays within one block of balanced.
+4. Execution: as ring/zigzag, every tile on its q-block's home (remote KV only, no OUT partials),
+   stages from planner/stages.py.
+
+``fcp_home`` is also the optional initial data placement of the dcp strategy (``init="fcp"``).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from .cost_model import CostModel
+from .placement import Placement, compact_stages
+from .stages import assign_stages
+from .tiles import TileSet
+
+SEGMENT_CUT = 2  # a boundary crossed by at most this many tiles separates two segments
+PIECES_PER_RANK = 4  # long segments are cut into pieces of cap / 4 blocks
+SEGMENT_AFFINITY = 0.25  # a rank already holding the segment is preferred within 25% of M of the least loaded
+NODE_AFFINITY = 0.10  # else a rank on the segment's node is preferred within 10% of M
+
+
+def segments(tiles: TileSet) -> np.ndarray:
+    """int64 [n_seg + 1] block boundaries of the independent segments."""
+    crossing = tiles.crossing_counts()
+    cuts = np.flatnonzero(crossing[1:-1] <= SEGMENT_CUT) + 1
+    return np.r_[0, cuts, tiles.num_blocks].astype(np.int64)
+
+
+def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, head_dim: int) -> np.ndarray:
+    """Home rank of every block (see module docstring, steps 1-3)."""
+    nB, P = tiles.num_blocks, world_size
+    if P == 1 or nB == 0:
+        return np.zeros(nB, dtype=np.int64)
+    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
+    block_flops = np.bincount(tiles.q, weights=flops, minlength=nB)
+    prefix = np.r_[0.0, np.cumsum(block_flops)]
+    cap = -(-nB // P)
+    piece = max(1, cap // PIECES_PER_RANK)
+    node = cost_model.topology.node_of(np.arange(P))
+    bounds = segments(tiles)
+
+    # pieces as (start, end, segment); a heap ordered by compute (largest first), ties by start
+    heap = []
+    for seg, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+        for s in range(a, b, piece):
+            e = min(b, s + piece)
+            heap.append((-(prefix[e] - prefix[s]), s, e, seg))
+    heapq.heapify(heap)
+
+    home = np.empty(nB, dtype=np.int64)
+    load = np.zeros(P)
+    room = np.full(P, cap, dtype=np.int64)
+    mean = prefix[-1] / P
+    seg_node, seg_ranks = {}, {}
+    while heap:
+        neg_cost, s, e, seg = heapq.heappop(heap)
+        open_ranks = np.flatnonzero(room > 0)
+        r = int(open_ranks[np.argmin(load[open_ranks])])
+        # Prefer ranks already holding this segment (their KV is local), then its node, when nearly
+        # as idle as the least loaded rank: fewer, nearer KV transfers for the same balance.
+        for affinity, near in ((SEGMENT_AFFINITY, seg_ranks.get(seg, ())), (NODE_AFFINITY, ())):
+            if affinity is NODE_AFFINITY and seg in seg_node:
+                near = open_ranks[node[open_ranks] == seg_node[seg]]
+            near = np.array([x for x in near if room[x] > 0], dtype=np.int64) if not isinstance(near, np.ndarray) else near
+            if near.size:
+                r_near = int(near[np.argmin(load[near])])
+                if load[r_near] <= load[r] + affinity * mean:
+                    r = r_near
+                    break
+        take = min(e - s, int(room[r]))
+        home[s : s + take] = r
+        room[r] -= take
+        load[r] += prefix[s + take] - prefix[s]
+        seg_node.setdefault(seg, int(node[r]))
+        seg_ranks.setdefault(seg, []).append(r)
+        if s + take < e:
+            heapq.heappush(heap, (-(prefix[e] - prefix[s + take]), s + take, e, seg))
+    return home
+
+
+def fcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
+        head_dim: int, element_size: int, max_stages: int, **_) -> Placement:
+    """FCP placement (see module docstring)."""
+    home = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
+    rank = home[tiles.q]
+    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
+    stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
+                          total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,
+                          max_stages=max_stages, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, element_size=element_size)
+    stage, _ = compact_stages(stage)
+    return Placement(block_home=home, tile_rank=rank, tile_stage=stage)

@@ -1,0 +1,44 @@
+"""Small helpers shared by the strategies: balanced block runs, stage compaction, the result type.
+
+Notation (docs/design.md): nB blocks, P ranks, a tile (qb, kb) is placed on a rank in a stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a strategy decides; ``make_plan`` turns it into a Plan (schedule derived, checked)."""
+
+    block_home: np.ndarray  # int64 [nB]
+    tile_rank: np.ndarray  # int64 [ntiles]
+    tile_stage: np.ndarray  # int64 [ntiles]
+    schedule: object = None  # CommSchedule already derived for exactly these arrays (stages compact)
+
+
+def balanced_bounds(num_blocks: int, parts: int) -> np.ndarray:
+    """int64 [parts + 1] boundaries splitting ``num_blocks`` blocks into ``parts`` contiguous runs whose
+    sizes differ by at most one block (runs may be empty when parts > num_blocks)."""
+    return (np.arange(parts + 1, dtype=np.int64) * num_blocks) // parts
+
+
+def runs_to_home(bounds: np.ndarray, owner_of_run: np.ndarray, num_blocks: int) -> np.ndarray:
+    """Home rank of each block when run i = [bounds[i], bounds[i+1]) belongs to ``owner_of_run[i]``."""
+    run = np.searchsorted(bounds, np.arange(num_blocks), side="right") - 1
+    return np.asarray(owner_of_run, dtype=np.int64)[run]
+
+
+def compact_stages(stage: np.ndarray) -> tuple[np.ndarray, int]:
+    """Renumber the used stages >= 1 as 1, 2, ... (stage 0 keeps its meaning: all inputs at home).
+    Returns (stages, num_stages); num_stages >= 1 even for an empty tile list."""
+    stage = np.asarray(stage, dtype=np.int64)
+    if stage.size == 0:
+        return stage, 1
+    used = np.unique(stage[stage > 0])
+    remap = np.zeros(int(stage.max()) + 1, dtype=np.int64)
+    remap[used] = np.arange(1, used.size + 1)
+    return remap[stage], int(used.size) + 1

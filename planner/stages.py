@@ -1,0 +1,142 @@
+"""Stage assignment: order each rank's remote inputs so that stage s+1's transfers hide behind stage s.
+
+Notation (docs/design.md): P ranks, tiles (qb, kb) already placed on ``tile_rank``; ``home[b]`` owns
+block b. An *item* is one remote input a rank must receive (a Q block or a KV block), exactly one
+row of the forward CommSchedule.
+
+Per rank: stage 0 computes the tiles whose inputs are all home. The items are sorted by how much
+compute they unlock per second of transfer (a tile needing one remote item credits it fully, a tile
+needing two credits each half), then cut into at most ``max_stages`` consecutive groups: group 1
+is as large as stage 0's compute time can hide, group s+1 as large as the compute completed by
+group s can hide (at least one item per stage); the last group takes the rest. A tile runs in the
+stage of its last-arriving item.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cost_model import CostModel
+from .schedule import KIND_KV, KIND_Q, payload_bytes
+
+
+def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
+                  block_size: int, total_len: int, world_size: int, cost_model: CostModel, max_stages: int,
+                  num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int) -> np.ndarray:
+    """int64 [ntiles] stage of every tile (see module docstring)."""
+    n = q.size
+    stage = np.zeros(n, dtype=np.int64)
+    remote_q = home[q] != rank
+    remote_kv = home[kv] != rank
+    remote = remote_q | remote_kv
+    if not np.any(remote):
+        return stage
+    nB = int(home.size)
+    topo = cost_model.topology
+    compute_time = flops / cost_model.fwd_rate
+
+    # Items: (rank, kind, block) keys, one per distinct remote input.
+    tile_idx = np.r_[np.flatnonzero(remote_q), np.flatnonzero(remote_kv)]
+    kind = np.r_[np.full(int(remote_q.sum()), KIND_Q), np.full(int(remote_kv.sum()), KIND_KV)]
+    block = np.r_[q[remote_q], kv[remote_kv]]
+    item_key = (rank[tile_idx] * 2 + (kind == KIND_KV)) * nB + block
+    keys, item_of = np.unique(item_key, return_inverse=True)
+    item_rank = keys // (2 * nB)
+    item_kind = np.where((keys // nB) % 2 == 1, KIND_KV, KIND_Q)
+    item_block = keys % nB
+    block_len = np.minimum(block_size, total_len - item_block * block_size)
+    nbytes = payload_bytes(item_kind, block_len, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, element_size=element_size).astype(np.float64)
+    inter = topo.node_of(home[item_block]) != topo.node_of(item_rank)
+    item_time = nbytes / np.where(inter, topo.inter_bw, topo.intra_bw)
+
+    # Credit each item with the compute it unlocks (half when the tile needs two remote items).
+    needs = remote_q.astype(np.int64) + remote_kv.astype(np.int64)
+    credit = np.bincount(item_of, weights=compute_time[tile_idx] / needs[tile_idx], minlength=keys.size)
+    order = np.lexsort((item_block, item_kind, -credit / item_time, item_rank))
+    position = np.empty(keys.size, dtype=np.int64)
+    position[order] = np.arange(keys.size)
+
+    # A tile completes when its last item (highest position) has arrived.
+    done_at = _max_over_items(n, tile_idx, position[item_of], remote_q, -1)
+
+    ranks_sorted = item_rank[order]
+    starts = np.searchsorted(ranks_sorted, np.arange(world_size + 1))
+    cum_time = np.r_[0.0, np.cumsum(item_time[order])]
+    local_compute = np.bincount(rank[~remote], weights=compute_time[~remote], minlength=world_size)
+    remote_tiles = np.flatnonzero(remote)
+    by_done = remote_tiles[np.argsort(done_at[remote_tiles], kind="stable")]
+    done_sorted = done_at[by_done]
+    cum_done = np.r_[0.0, np.cumsum(compute_time[by_done])]
+
+    item_stage = np.zeros(keys.size, dtype=np.int64)
+    for r in range(world_size):
+        lo, hi = int(starts[r]), int(starts[r + 1])
+        if lo == hi:
+            continue
+        budget = local_compute[r]
+        begin, s = lo, 1
+        while begin < hi:
+            if s == max_stages:
+                end = hi
+            else:
+                # largest prefix whose transfer time fits the budget (at least one item)
+                end = int(np.searchsorted(cum_time, cum_time[begin] + budget, side="right")) - 1
+                end = min(hi, max(end, begin + 1))
+            item_stage[order[begin:end]] = s
+            # compute unlocked by this stage's items hides the next stage's transfers
+            a, b = np.searchsorted(done_sorted, [begin, end])
+            budget = cum_done[b] - cum_done[a]
+            begin, s = end, s + 1
+
+    return _max_over_items(n, tile_idx, item_stage[item_of], remote_q, 0)
+
+
+def _max_over_items(n: int, tile_idx: np.ndarray, value: np.ndarray, remote_q: np.ndarray, fill: int) -> np.ndarray:
+    """Per tile, the max of ``value`` over its (at most two) items: the Q items come first in
+    ``tile_idx``, then the KV items, each group in ascending tile order."""
+    nq = int(remote_q.sum())
+    out = np.full(n, fill, dtype=np.int64)
+    out[tile_idx[:nq]] = value[:nq]
+    kv_tiles = tile_idx[nq:]
+    out[kv_tiles] = np.maximum(out[kv_tiles], value[nq:])
+    return out
+
+
+def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, is_local: np.ndarray,
+                       comm_time: np.ndarray, *, world_size: int, num_stages: int, fwd_rate: float) -> np.ndarray:
+    """Move purely local tiles (no transfer depends on them) from stage 0 into later stages where a
+    rank's compute would not cover the next stage's transfers (e.g. OUT partials arriving at a donor).
+
+    ``comm_time``: [P, S + 1] transfer time per rank and stage for the current placement. Each rank
+    keeps in stage 0 at least what hides its stage-1 transfers; the rest of its local work is poured
+    into the uncovered gaps of stages 1..S-1, latest gap first (those carry the unhideable OUT).
+    """
+    S = num_stages
+    if S < 2:
+        return stage
+    stage = stage.copy()
+    compute = np.bincount(rank * S + stage, weights=flops / fwd_rate, minlength=world_size * S).reshape(world_size, S)
+    local0 = is_local & (stage == 0)
+    local_time = np.bincount(rank[local0], weights=flops[local0] / fwd_rate, minlength=world_size)
+    local_idx = np.flatnonzero(local0)
+    local_idx = local_idx[np.argsort(rank[local_idx], kind="stable")]
+    bounds = np.searchsorted(rank[local_idx], np.arange(world_size + 1))
+    for r in range(world_size):
+        gaps = np.maximum(0.0, comm_time[r, 2:S + 1] - compute[r, 1:S])  # stage s = 1..S-1
+        movable = local_time[r] - comm_time[r, 1]
+        if movable <= 0 or not np.any(gaps > 0):
+            continue
+        idx = local_idx[bounds[r]:bounds[r + 1]][::-1]  # last local tiles leave stage 0 first
+        cum = np.cumsum(flops[idx] / fwd_rate)
+        start = 0.0
+        for s in range(S - 1, 0, -1):
+            take = min(gaps[s - 1], movable)
+            if take <= 0:
+                continue
+            lo = int(np.searchsorted(cum, start, side="right"))
+            hi = int(np.searchsorted(cum, start + take, side="right"))
+            stage[idx[lo:hi]] = s
+            start += take
+            movable -= take
+    return stage

@@ -1,0 +1,75 @@
+"""TileSet: the planner's numpy view of a BlockMask's non-empty tiles.
+
+Notation (docs/design.md): T tokens, B block size, nB = ceil(T / B) blocks, a tile is a
+(q-block, kv-block) pair. Every planner strategy works on this flat, (q, kv)-sorted list.
+
+Compute cost of a tile: ``4 * D * Hq * pairs`` forward FLOPs, where ``pairs`` is its exact count of
+unmasked (q, k) pairs (a FULL tile has ``len(q-block) * len(kv-block)``). Partial tiles are
+therefore weighted by their unmasked count, not by their area.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+# BlockMask -> TileSet, so planning the same mask for several world sizes / strategies converts once.
+_from_block_mask_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True, eq=False)
+class TileSet:
+    """Non-empty tiles of one mask at one block size, as int64 numpy arrays sorted by (q, kv)."""
+
+    total_len: int
+    block_size: int
+    num_blocks: int
+    q: np.ndarray  # int64 [n] q-block of each tile
+    kv: np.ndarray  # int64 [n] kv-block of each tile
+    full: np.ndarray  # bool [n]
+    pairs: np.ndarray  # int64 [n] unmasked (q, k) pairs
+
+    @classmethod
+    def from_block_mask(cls, bm) -> "TileSet":
+        """Read ``bm.tiles()`` / ``bm.tile_pairs()`` of a blockattn BlockMask (cached per BlockMask)."""
+        try:
+            cached = _from_block_mask_cache.get(bm)
+        except TypeError:  # not weak-referenceable: no caching
+            cached = None
+        if cached is not None:
+            return cached
+        tq, tk, tf = bm.tiles()
+        result = cls(
+            total_len=int(bm.total_len),
+            block_size=int(bm.block_size),
+            num_blocks=int(bm.num_blocks),
+            q=tq.numpy().astype(np.int64),
+            kv=tk.numpy().astype(np.int64),
+            full=tf.numpy().astype(bool),
+            pairs=bm.tile_pairs().numpy().astype(np.int64),
+        )
+        try:
+            _from_block_mask_cache[bm] = result
+        except TypeError:
+            pass
+        return result
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.q.size)
+
+    def block_lengths(self) -> np.ndarray:
+        """int64 [nB] valid tokens of every block (the last one may be short)."""
+        starts = np.arange(self.num_blocks, dtype=np.int64) * self.block_size
+        return np.minimum(self.block_size, self.total_len - starts)
+
+    def crossing_counts(self) -> np.ndarray:
+        """int64 [nB + 1]: for boundary j (between blocks j-1 and j), the tiles whose q and kv lie on
+        opposite sides; cutting the block sequence there forces that many tiles to move data."""
+        lo = np.minimum(self.q, self.kv)
+        hi = np.maximum(self.q, self.kv)
+        size = self.num_blocks + 2
+        diff = np.bincount(lo + 1, minlength=size) - np.bincount(hi + 1, minlength=size)
+        return np.cumsum(diff)[: self.num_blocks + 1]

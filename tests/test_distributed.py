@@ -1,0 +1,253 @@
+"""Distributed block attention on CPU: gloo process groups in spawned processes (127.0.0.1, free port).
+
+One spawn per test runs several cases inside (process start-up dominates on a 2-core machine). Every
+case checks, on every rank: forward out / lse and q, k, v gradients against the float64 reference
+(error bounded relative to the same-dtype torch eager error), and the bytes actually handed to
+torch.distributed (counted by wrapping its send calls) against plan.stats(), forward and backward.
+Most cases use the "torch" backend (fast on CPU); one runs the Triton kernels under the interpreter.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from blockattn import MaskSpec
+
+GLOO_TIMEOUT_S = 120  # a bug that leaves a peer waiting fails the test instead of hanging CI
+FLOOR = {torch.float32: 2e-5, torch.bfloat16: 3e-2}  # absolute slack on top of 10x the eager error
+
+
+# ----------------------------------------------------------------------------- harness
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, case_name: str) -> None:
+    torch.set_num_threads(1)  # several ranks share 2 cores: intra-op threads would only oversubscribe
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+    try:
+        globals()[case_name](rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(case_name: str, world: int) -> None:
+    mp.spawn(_entry, args=(world, _free_port(), case_name), nprocs=world, join=True)
+
+
+def _inputs(T, Hq, Hkv, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(T, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv, Hq))
+    return q, k, v, dout
+
+
+def _reference(spec, q, k, v, dout, dtype):
+    """(out, lse, dq, dk, dv) of the dense reference computed in `dtype` (fully masked rows: grads 0)."""
+    from blockattn.reference import attention
+
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = attention(*leaves, spec, dtype=dtype)
+    out.backward(dout.to(dtype))
+    return [out.detach(), lse.detach()] + [torch.nan_to_num(t.grad) for t in leaves]
+
+
+def _assert_close(name, got, ref64, eager, dtype, rows):
+    """got (this rank's rows) vs the float64 reference: error <= 10 x the eager same-dtype error + floor."""
+    pick = (lambda t: t[:, rows]) if name == "lse" else (lambda t: t[rows])
+    ref64, eager = pick(ref64), pick(eager)
+    finite = torch.isfinite(ref64)
+    assert torch.equal(torch.isfinite(got), finite), f"{name}: -inf/NaN pattern differs from the reference"
+    err = (got.double() - ref64).abs()[finite].max().item() if finite.any() else 0.0
+    eager_err = (eager.double() - ref64).abs()[finite].max().item() if finite.any() else 0.0
+    bound = 10 * eager_err + FLOOR[dtype]
+    assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g} (eager {dtype} error {eager_err:.3g})"
+
+
+def run_case(rank, world, spec, *, strategy="dcp", Hq=4, Hkv=2, D=16, dtype=torch.float32, block_size=16,
+             backend="torch", comm_method="p2p", lse_grad=False, seed=0):
+    """Run one plan fwd+bwd on this rank and check it; returns this rank's output rows."""
+    from blockattn.comms import count_bytes
+    from blockattn.distributed import distributed_block_attention
+    from blockattn.planner import make_plan
+
+    plan = make_plan(spec, world, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, dtype=dtype,
+                     block_size=block_size, strategy=strategy)
+    T = spec.total_len
+    q, k, v, dout = _inputs(T, Hq, Hkv, D, dtype, seed)
+    dlse = torch.randn(Hq, T, generator=torch.Generator().manual_seed(seed + 1)) if lse_grad else None
+    local = plan.local_tokens(rank)
+    ql, kl, vl = (plan.shard(t, rank).requires_grad_() for t in (q, k, v))
+    with count_bytes() as sent_fwd:
+        out, lse = distributed_block_attention(ql, kl, vl, spec, plan, return_lse=True, backend=backend,
+                                               comm_method=comm_method)
+    loss = (out.float() * dout[local].float()).sum()
+    if lse_grad:
+        loss = loss + (lse * dlse[:, local]).sum()
+    with count_bytes() as sent_bwd:
+        loss.backward()
+    stats = plan.stats()
+    where = f"{strategy} {spec!r} rank {rank}/{world}"
+    assert sent_fwd.sent == stats["bytes_sent_fwd"][rank], f"{where}: fwd bytes {sent_fwd.sent} != plan {stats['bytes_sent_fwd'][rank]}"
+    assert sent_bwd.sent == stats["bytes_sent_bwd"][rank], f"{where}: bwd bytes {sent_bwd.sent} != plan {stats['bytes_sent_bwd'][rank]}"
+
+    if lse_grad:  # fold the lse term into the reference by differentiating both outputs
+        refs = [_reference_with_lse(spec, q, k, v, dout, dlse, dt) for dt in (torch.float64, dtype)]
+    else:
+        refs = [_reference(spec, q, k, v, dout, dt) for dt in (torch.float64, dtype)]
+    for name, got, r64, reager in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, ql.grad, kl.grad, vl.grad), *refs):
+        try:
+            _assert_close(name, got.detach(), r64, reager, dtype, rows=local)
+        except AssertionError as e:
+            raise AssertionError(f"{where}: {e}") from None
+    return out.detach()
+
+
+def _reference_with_lse(spec, q, k, v, dout, dlse, dtype):
+    from blockattn.reference import attention
+
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = attention(*leaves, spec, dtype=dtype)
+    ((out * dout.to(dtype)).sum() + (lse * dlse.to(lse.dtype)).sum()).backward()
+    return [out.detach(), lse.detach()] + [t.grad for t in leaves]
+
+
+# ----------------------------------------------------------------------------- cases (run in workers)
+def _every_mask_world2(rank, world):
+    T = 150  # not a multiple of the block (16) nor of the world size... except 2: see world 3/5 cases
+    specs = [
+        MaskSpec.full(T),
+        MaskSpec.causal(T),
+        MaskSpec.sliding_window(T, 40),
+        MaskSpec.lambda_mask(T, 8, 30),
+        # mask_mod masks use per-tile bitmasks; this one also has a fully masked row (q = 0)
+        MaskSpec.from_mask_mod(lambda qi, ki: (ki < qi) & ((qi + ki) % 3 != 0), T),
+    ]
+    for spec in specs:
+        run_case(rank, world, spec)
+    # the real Triton kernels (interpreter on CPU), forward and backward, GQA 4:1, partial last block
+    run_case(rank, world, MaskSpec.documents([37, 1, 60, 41]), Hq=4, Hkv=1, backend="triton")
+
+
+def _masks_world3(rank, world):
+    run_case(rank, world, MaskSpec.documents([1, 45, 3, 80, 1, 67]))  # documents of length 1, T = 197
+    run_case(rank, world, MaskSpec.shared_question(40, [33, 50, 1, 29]))
+    run_case(rank, world, MaskSpec.causal_blockwise(205, block=32, k_local=2))
+    run_case(rank, world, MaskSpec.documents([90, 71, 40]) & MaskSpec.sliding_window(201, 25))
+    run_case(rank, world, MaskSpec.causal(181), dtype=torch.bfloat16, Hq=4, Hkv=4)
+    run_case(rank, world, MaskSpec.lambda_mask(170, 16, 48), lse_grad=True)
+
+
+def _strategies_world4(rank, world):
+    spec = MaskSpec.documents([70, 13, 120, 1, 55, 40])
+    outs = {s: run_case(rank, world, spec, strategy=s) for s in ("dcp", "fcp", "ring", "zigzag", "allgather")}
+    # every strategy holds different rows per rank: compare them as global tensors
+    from blockattn.planner import make_plan
+
+    glob = {}
+    for s, o in outs.items():
+        plan = make_plan(spec, world, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                         block_size=16, strategy=s)
+        glob[s] = plan.unshard(o, group=dist.group.WORLD)
+    for s, g in glob.items():
+        torch.testing.assert_close(g, glob["dcp"], rtol=0, atol=2e-5, msg=lambda m: f"{s} vs dcp: {m}")
+    run_case(rank, world, MaskSpec.causal(230), comm_method="a2a", Hq=8, Hkv=2)
+
+
+def _strategies_world5(rank, world):
+    spec = MaskSpec.causal(211)  # prime length: not a multiple of the block or of 5
+    for s in ("dcp", "ring", "zigzag", "allgather"):
+        run_case(rank, world, spec, strategy=s)
+    run_case(rank, world, MaskSpec.documents([31, 64, 9, 100, 17, 2]), strategy="fcp")
+    run_case(rank, world, MaskSpec.shared_question(30, [40, 41, 42]), strategy="dcp", block_size=32)
+
+
+def _errors_world3(rank, world):
+    from blockattn.comms import StageExchange, get_group
+    from blockattn.distributed import distributed_block_attention
+    from blockattn.planner import make_plan
+
+    spec = MaskSpec.causal(100)
+    kw = dict(num_q_heads=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, block_size=16)
+
+    def expect_error(fn, *fragments):
+        with pytest.raises(ValueError) as info:
+            fn()
+        for frag in fragments:
+            assert frag in str(info.value), f"rank {rank}: {frag!r} not in error: {info.value}"
+
+    q, k, v, _ = _inputs(100, 2, 2, 16, torch.float32)
+    # 1. rank 1 holds a different plan: every rank raises the same clear error (no hang)
+    plan = make_plan(spec, world, strategy="ring" if rank == 1 else "dcp", **kw)
+    expect_error(lambda: distributed_block_attention(plan.shard(q, rank), plan.shard(k, rank), plan.shard(v, rank),
+                                                     spec, plan, backend="torch"),
+                 "different plans", "[[0, 2], [1]]")
+    # 2. rank 2 passes the wrong number of rows: every rank hears about rank 2
+    plan = make_plan(spec, world, strategy="zigzag", **kw)
+    cut = 1 if rank == 2 else 0
+    expect_error(lambda: distributed_block_attention(*(plan.shard(t, rank)[cut:] for t in (q, k, v)), spec, plan,
+                                                     backend="torch"),
+                 "rank 2: q/k/v have", "plan.local_tokens(2)")
+    # 3. a plan for 2 ranks on a 3-rank group
+    plan2 = make_plan(spec, 2, strategy="dcp", **kw)
+    expect_error(lambda: distributed_block_attention(q[:50], k[:50], v[:50], spec, plan2, backend="torch"),
+                 "world_size = 2 but the process group has 3 ranks")
+    # 4. the same 2-rank plan on a cached sub-group of ranks {0, 2} runs (rank 1 sits out)
+    sub = get_group([0, 2])
+    assert get_group([2, 0]) is sub, "sub-groups must be created once and cached"
+    if rank != 1:
+        me = dist.get_rank(sub)
+        out = distributed_block_attention(*(plan2.shard(t, me) for t in (q, k, v)), spec, plan2, backend="torch",
+                                          group=sub)
+        ref = _reference(spec, q, k, v, torch.zeros_like(q), torch.float64)[0]
+        torch.testing.assert_close(out.double(), ref[plan2.local_tokens(me)], rtol=0, atol=2e-5)
+    # 5. a mask the plan was not made for
+    plan = make_plan(spec, world, strategy="allgather", **kw)
+    other = MaskSpec.sliding_window(100, 10)
+    expect_error(lambda: distributed_block_attention(*(plan.shard(t, rank) for t in (q, k, v)), other, plan,
+                                                     backend="torch"),
+                 "mask")
+    # 6. explicit exchange lifecycle: wait before post, post twice, wait twice
+    peer = (rank + 1) % world
+    src = (rank - 1) % world
+    ex = StageExchange({peer: [torch.full((3,), float(rank))]}, {src: 12}, name="lifecycle")
+    with pytest.raises(RuntimeError, match="wait\\(\\) before post"):
+        ex.wait()
+    ex.post()
+    with pytest.raises(RuntimeError, match="post\\(\\) called twice"):
+        ex.post()
+    got = ex.wait()[src].view(torch.float32)
+    assert got.tolist() == [float(src)] * 3
+    with pytest.raises(RuntimeError, match="wait\\(\\) called twice"):
+        ex.wait()
+    with pytest.raises(ValueError, match="invalid peer"):
+        StageExchange({rank: [torch.zeros(1)]}, {}, name="self-send")
+
+
+# ----------------------------------------------------------------------------- tests
+def test_every_mask_kind_two_ranks_with_triton_case():
+    _spawn("_every_mask_world2", 2)
+
+
+def test_masks_gqa_bf16_lse_grad_three_ranks():
+    _spawn("_masks_world3", 3)
+
+
+def test_baseline_strategies_agree_four_ranks():
+    _spawn("_strategies_world4", 4)
+
+
+def test_strategies_awkward_lengths_five_ranks():
+    _spawn("_strategies_world5", 5)
+
+
+def test_mismatches_raise_on_every_rank_and_subgroups():
+    _spawn("_errors_world3", 3)
+

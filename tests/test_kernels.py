@@ -1,0 +1,206 @@
+"""Kernel-level tests (Triton interpreter on CPU): forward O/LSE and dQ/dK/dV over tile lists against
+the float64 reference, with error bounded by the same-dtype torch eager error; outputs poisoned first.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from blockattn import MaskSpec  # noqa: E402
+from blockattn import torch_backend  # noqa: E402
+from blockattn.kernels import (  # noqa: E402
+    KernelMask,
+    TileList,
+    attention_bwd_dkdv,
+    attention_bwd_dq,
+    attention_bwd_preprocess,
+    attention_fwd,
+)
+from blockattn.reference import attention as reference  # noqa: E402
+
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+FACTOR = 4.0  # kernel error may be this many times the same-dtype eager error (plus ATOL)
+
+
+def _inputs(T, Hq, Hkv, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda H: torch.randn(T, H, D, generator=g).to(dtype)  # noqa: E731
+    return make(Hq), make(Hkv), make(Hkv), make(Hq)
+
+
+def _ref_with_grads(q, k, v, dout, spec, dtype):
+    """(out, lse, dq, dk, dv) of the dense reference computed in ``dtype``."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = reference(*leaves, spec, dtype=dtype)
+    out.backward(dout.to(dtype))
+    return out.detach(), lse.detach(), *(t.grad for t in leaves)
+
+
+def assert_close_to_reference(name, got, ref64, eager, dtype):
+    finite = torch.isfinite(ref64)
+    assert torch.equal(torch.isfinite(got), finite) or not (~finite).any(), f"{name}: inf pattern differs"
+    got_f = got.double()[finite]
+    err = (got_f - ref64.double()[finite]).abs().max().item() if finite.any() else 0.0
+    eager_err = (eager.double()[finite] - ref64.double()[finite]).abs().max().item() if finite.any() else 0.0
+    bound = FACTOR * eager_err + ATOL[dtype]
+    assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g} (eager error {eager_err:.3g})"
+
+
+def run_all(spec, q, k, v, dout, block, kmask=None):
+    """Forward + backward through the kernels, every output poisoned with NaN beforehand."""
+    bm = spec.block_mask(block)
+    tiles, tiles_t = TileList.from_block_mask(bm), TileList.from_block_mask(bm, transposed=True)
+    kmask = kmask if kmask is not None else KernelMask.from_block_mask(bm)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"))
+    out, lse = attention_fwd(q, k, v, tiles, kmask, out=out, lse=lse)
+    delta = attention_bwd_preprocess(out, dout)
+    dq = attention_bwd_dq(q, k, v, dout, lse, delta, tiles, kmask, out=torch.full(q.shape, float("nan")))
+    dk, dv = attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t, kmask,
+                                out=(torch.full(k.shape, float("nan")), torch.full(k.shape, float("nan"))))
+    return out, lse, dq, dk, dv
+
+
+def check_against_reference(spec, Hq, Hkv, D, dtype, block, kmask=None, seed=0):
+    q, k, v, dout = _inputs(spec.total_len, Hq, Hkv, D, dtype, seed)
+    got = run_all(spec, q, k, v, dout, block, kmask)
+    ref = _ref_with_grads(q, k, v, dout, spec, torch.float64)
+    eager = _ref_with_grads(q, k, v, dout, spec, dtype)
+    for name, g, r, e in zip(("out", "lse", "dq", "dk", "dv"), got, ref, eager):
+        assert not torch.isnan(g).any(), f"{name} has NaN (unwritten rows or a 0/0)"
+        assert_close_to_reference(name, g, r, e, dtype)
+    return got
+
+
+MASKS = {
+    "causal": lambda: MaskSpec.causal(70),
+    "sliding_window": lambda: MaskSpec.sliding_window(100, 13),
+    "lambda": lambda: MaskSpec.lambda_mask(90, 5, 20),
+    "documents_causal": lambda: MaskSpec.documents([5, 30, 1, 34]),
+    "documents_full": lambda: MaskSpec.documents([17, 1, 40], causal=False),
+    "shared_question": lambda: MaskSpec.shared_question(20, [7, 1, 30]),
+    "causal_blockwise": lambda: MaskSpec.causal_blockwise(96, block=16, k_local=2),
+    "mask_mod_bits": lambda: MaskSpec.from_mask_mod(lambda q, k: ((q + k) % 3 == 0) & (k <= q), 45),
+    "docs_and_window": lambda: MaskSpec.documents([30, 40]) & MaskSpec.sliding_window(70, 9),
+    "composition_or": lambda: (MaskSpec.documents([30, 40]) & MaskSpec.sliding_window(70, 9))
+    | MaskSpec.lambda_mask(70, 3, 5),
+    "full": lambda: MaskSpec.full(33),
+    "single_token": lambda: MaskSpec.causal(1),
+}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_every_mask_kind_matches_reference(name):
+    spec = MASKS[name]()
+    dtype = DTYPES[list(MASKS).index(name) % 3]  # spread the dtypes over the masks
+    check_against_reference(spec, Hq=4, Hkv=2, D=16, dtype=dtype, block=16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtypes_with_gqa_and_ragged_length(dtype):
+    check_against_reference(MaskSpec.documents([9, 41, 23]), Hq=6, Hkv=2, D=32, dtype=dtype, block=32, seed=1)
+
+
+def test_head_dim_64_block_32_bf16():
+    check_against_reference(MaskSpec.causal(48), Hq=2, Hkv=1, D=64, dtype=torch.bfloat16, block=32, seed=2)
+
+
+def _empty_rows_mod(q, k):
+    return (q % 5 != 0) & (k <= q) & (k >= q - 11)
+
+
+def test_fully_masked_rows_bits_and_intervals():
+    """Rows q % 5 == 0 see no key: O = 0, LSE = -inf, zero grads, no NaN (bitmask and interval paths)."""
+    T = 50
+    spec = MaskSpec.from_mask_mod(_empty_rows_mod, T)
+    out, lse, *_ = check_against_reference(spec, Hq=2, Hkv=2, D=16, dtype=torch.float32, block=16)
+    empty = torch.arange(T) % 5 == 0
+    assert torch.isneginf(lse[:, empty]).all() and torch.isfinite(lse[:, ~empty]).all()
+    assert (out[empty] == 0).all()
+    # the same mask as intervals (empty rows are lo == hi), over the same block classification
+    q = torch.arange(T)
+    iv = torch.stack([(q - 11).clamp(min=0), q + 1, torch.zeros_like(q), torch.zeros_like(q)]).to(torch.int32)
+    iv[:, empty] = 0
+    bm = spec.block_mask(16)
+    kmask = KernelMask(T, 16, intervals=iv)
+    check_against_reference(spec, Hq=2, Hkv=2, D=16, dtype=torch.float32, block=16, kmask=kmask)
+    assert bm.part_bits is not None
+
+
+def test_torch_backend_matches_kernels():
+    spec = MaskSpec.shared_question(20, [7, 1, 30])
+    q, k, v, dout = _inputs(spec.total_len, 4, 2, 16, torch.float32, seed=3)
+    bm = spec.block_mask(16)
+    tiles, tiles_t, km = TileList.from_block_mask(bm), TileList.from_block_mask(bm, True), KernelMask.from_block_mask(bm)
+    got = run_all(spec, q, k, v, dout, 16)
+    out, lse = torch_backend.attention_fwd(q, k, v, tiles, km)
+    delta = torch_backend.attention_bwd_preprocess(out, dout)
+    dq = torch_backend.attention_bwd_dq(q, k, v, dout, lse, delta, tiles, km)
+    dk, dv = torch_backend.attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t, km)
+    for a, b in zip(got, (out, lse, dq, dk, dv)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_buffer_coordinates_permuted_blocks():
+    """Kernels read blocks through (row, glob): a buffer holding the blocks in reverse order works."""
+    spec = MaskSpec.causal(64)
+    B = 16
+    q, k, v, _ = _inputs(64, 2, 1, 16, torch.float32, seed=4)
+    bm = spec.block_mask(B)
+    nB = bm.num_blocks
+    perm = torch.arange(nB - 1, -1, -1)                      # buffer slot s holds block perm[s]
+    row_of = torch.empty(nB, dtype=torch.long)
+    row_of[perm] = torch.arange(nB) * B
+    tq, tk, full = bm.tiles()
+    tiles = TileList.from_tiles(tq, tk, full, block_size=B, work_blocks=torch.arange(nB),
+                                work_row_of=row_of, partner_row_of=row_of)
+    gather = torch.cat([torch.arange(b * B, (b + 1) * B) for b in perm.tolist()])
+    out_buf, lse_buf = attention_fwd(q[gather], k[gather], v[gather], tiles, KernelMask.from_block_mask(bm))
+    out, lse = reference(q.double(), k.double(), v.double(), spec)
+    torch.testing.assert_close(out_buf.double(), out[gather], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_buf.double(), lse[:, gather], atol=1e-5, rtol=1e-5)
+
+
+def test_validation_errors_are_clear():
+    spec = MaskSpec.causal(32)
+    bm = spec.block_mask(16)
+    tiles, km = TileList.from_block_mask(bm), KernelMask.from_block_mask(bm)
+    q, k, v, _ = _inputs(32, 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        attention_fwd(q, k[:, :1].expand(32, 3, 16), v[:, :1].expand(32, 3, 16), tiles, km)
+    with pytest.raises(TypeError, match="dtype"):
+        attention_fwd(q, k.half(), v.half(), tiles, km)
+    with pytest.raises(ValueError, match="power of two"):
+        attention_fwd(q[..., :12], k[..., :12], v[..., :12], tiles, km)
+    with pytest.raises(ValueError, match="accumulate"):
+        attention_fwd(q, k, v, tiles, km, accumulate=True)
+    with pytest.raises(ValueError, match="block size"):
+        attention_fwd(q, k, v, TileList.from_block_mask(spec.block_mask(8)), KernelMask.from_block_mask(spec.block_mask(8)))
+    with pytest.raises(ValueError, match="n\\+1"):
+        TileList.build([0], [0], [0], [], [], [0, 0], [], [])
+
+
+@pytest.mark.parametrize("spec_fn", [lambda: MaskSpec.documents([23, 1, 50]),
+                                     lambda: MaskSpec.from_mask_mod(_empty_rows_mod, 74)], ids=["intervals", "bits"])
+def test_sub_tiled_configs_match_whole_block_tiles(spec_fn):
+    """GPU configs split a block into BLOCK_M x BLOCK_N sub-tiles; the interpreter checks that path too."""
+    from blockattn.kernels import KernelConfig
+
+    spec = spec_fn()
+    B = 32
+    q, k, v, dout = _inputs(spec.total_len, 4, 2, 16, torch.float32, seed=5)
+    bm = spec.block_mask(B)
+    tiles, tiles_t, km = TileList.from_block_mask(bm), TileList.from_block_mask(bm, True), KernelMask.from_block_mask(bm)
+    whole = run_all(spec, q, k, v, dout, B)
+    out, lse = attention_fwd(q, k, v, tiles, km, config=KernelConfig(16, 16, 4, 1))
+    delta = attention_bwd_preprocess(out, dout)
+    dq = attention_bwd_dq(q, k, v, dout, lse, delta, tiles, km, config=KernelConfig(32, 16, 4, 1))
+    dk, dv = attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t, km, config=KernelConfig(16, 32, 4, 1))
+    dk2, dv2 = attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t, km, config=KernelConfig(32, 16, 4, 1))
+    for a, b in zip(whole, (out, lse, dq, dk, dv)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, equal_nan=False)
+    torch.testing.assert_close(dk2, dk, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dv2, dv, atol=1e-5, rtol=1e-5)
