@@ -116,6 +116,11 @@ def bench(sizes, out_path: Path):
 
     dev = torch.device("cuda")
     kernels = get_backend("triton")
+    # every (mask, length) is a new specialization of flex; past dynamo's recompile limit it would
+    # silently run uncompiled and the comparison would be unfair to it
+    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(256, getattr(torch._dynamo.config, knob)))
     flex = torch.compile(flex_attention, dynamic=False)
     rows = []
     for T in sizes:

@@ -36,7 +36,8 @@ def cuobjdump_path() -> Path | None:
     return Path(found) if found else None
 
 
-def _signature(kind: str, dtype: str, D: int, B: int, cfg, group: int, even: bool, has_iv: bool, has_bits: bool):
+def _signature(kind: str, dtype: str, D: int, B: int, cfg, group: int, even: bool, has_iv: bool, has_bits: bool,
+               accumulate: bool = False):
     """(kernel fn, signature, constexprs) for one kernel configuration."""
     from blockattn.kernels.backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
     from blockattn.kernels.forward import attention_fwd_kernel
@@ -52,21 +53,21 @@ def _signature(kind: str, dtype: str, D: int, B: int, cfg, group: int, even: boo
         sig = {"Q": p, "K": p, "V": p, "Out": p, "Lse": "*fp32", **tiles, **masks}
         strides = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
                    "stride_ot", "stride_oh", "stride_lh"]
-        scalars = {"T": "i32", "qk_scale": "fp32"}
-        const["ACCUMULATE"] = False
+        scalars = {"T": "i32", "num_heads": "i32", "qk_scale": "fp32"}
+        const["ACCUMULATE"] = accumulate
     elif kind == "dq":
         fn = attention_bwd_dq_kernel
         sig = {"Q": p, "K": p, "V": p, "DOut": p, "Lse": "*fp32", "Delta": "*fp32", "DQ": "*fp32", **tiles, **masks}
         strides = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_dot",
                    "stride_doh", "stride_dqt", "stride_dqh", "stride_lh"]
-        scalars = {"T": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        scalars = {"T": "i32", "num_heads": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
     else:
         fn = attention_bwd_dkdv_kernel
         sig = {"Q": p, "K": p, "V": p, "DOut": p, "Lse": "*fp32", "Delta": "*fp32", "DK": "*fp32", "DV": "*fp32",
                **tiles, **masks}
         strides = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_dot",
                    "stride_doh", "stride_dkt", "stride_dkh", "stride_dvt", "stride_dvh", "stride_lh"]
-        scalars = {"T": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        scalars = {"T": "i32", "num_heads": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
     sig.update({s: "i32" for s in strides})
     sig.update(scalars)
     sig.update({c: "constexpr" for c in const})
@@ -76,13 +77,34 @@ def _signature(kind: str, dtype: str, D: int, B: int, cfg, group: int, even: boo
     return fn, {a: sig[a] for a in fn.arg_names}, const
 
 
-def compile_one(kind, dtype, D, B, cfg, group=4, even=True, has_iv=True, has_bits=False):
+def _small_kernel_signature(kind: str, dtype: str, D: int):
+    """(fn, signature, constexprs) of the merge and delta-preprocess kernels."""
+    from blockattn.kernels.backward import attention_bwd_preprocess_kernel
+    from blockattn.kernels.merge import merge_partials_kernel
+
+    p = TORCH_TO_TT[dtype]
+    if kind == "merge":
+        fn = merge_partials_kernel
+        sig = {"Outs": p, "Lses": "*fp32", "Out": p, "Lse": "*fp32", "N": "i32", "R": "i32"}
+    else:
+        fn = attention_bwd_preprocess_kernel
+        sig = {"Out": p, "DOut": p, "Delta": "*fp32", "R": "i32"}
+    sig.update({a: "i32" for a in fn.arg_names if a.startswith("stride_")})
+    const = {"BLOCK_R": 64, "HEAD_DIM": D}
+    sig.update({c: "constexpr" for c in const})
+    return fn, {a: sig[a] for a in fn.arg_names}, const
+
+
+def compile_one(kind, dtype, D, B, cfg, group=4, even=True, has_iv=True, has_bits=False, accumulate=False):
     """Compile one configuration for sm_90a; returns the CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, sig, const = _signature(kind, dtype, D, B, cfg, group, even, has_iv, has_bits)
+    if kind in ("merge", "preprocess"):
+        fn, sig, const = _small_kernel_signature(kind, dtype, D)
+    else:
+        fn, sig, const = _signature(kind, dtype, D, B, cfg, group, even, has_iv, has_bits, accumulate)
     # the hints Triton's JIT derives at launch for contiguous THD tensors with D a multiple of 16:
     # pointers 16-byte aligned, row/head strides divisible by 16 (lets loads vectorize to 16 bytes)
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
@@ -127,6 +149,20 @@ def configs(quick: bool):
     return main + extra
 
 
+def _report_row(kind, dtype, D, B, cfg, variant, kw, tool):
+    t0 = time.time()
+    ck = compile_one(kind, dtype, D, B, cfg, **kw)
+    usage = resource_usage(ck.asm["cubin"], tool)
+    row = dict(kernel=kind, dtype=dtype, head_dim=D, block=B, mask=variant, block_m=cfg.block_m,
+               block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+               shared_bytes=int(ck.metadata.shared), compile_s=round(time.time() - t0, 2), **usage)
+    print(f"{kind:10s} {dtype:5s} D={D:3d} B={B:3d} {variant:9s} m={cfg.block_m:3d} n={cfg.block_n:3d} "
+          f"w={cfg.num_warps} s={cfg.num_stages}  regs={row['registers']} spill_st={row['spill_stores']} "
+          f"spill_ld={row['spill_loads']} smem={row['shared_bytes']} hgmma={row['hgmma']} "
+          f"({row['compile_s']}s)", flush=True)
+    return row
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="only the main D=128 bf16 configs")
@@ -136,28 +172,29 @@ def main(argv=None):
         sys.exit("kernel_report: unset TRITON_INTERPRET (the interpreter cannot AOT-compile)")
     import torch
 
-    from blockattn.kernels.launch import kernel_config
+    from blockattn.kernels.launch import KernelConfig, kernel_config
 
     tool = cuobjdump_path()
     if tool is None:
         sys.exit("kernel_report: cuobjdump not found (expected in triton/backends/nvidia/bin)")
     rows = []
+    variants = {"intervals": dict(has_iv=True, has_bits=False), "bits": dict(has_iv=False, has_bits=True),
+                # T not a multiple of the block (masked loads) and, for the forward, accumulate=True
+                "ragged": dict(has_iv=True, has_bits=False, even=False, accumulate=True)}
     for kind, dtype, D, B in configs(args.quick):
         cfg = kernel_config(kind, B, D, torch.device("cuda"))
-        for variant, kw in (("intervals", dict(has_iv=True, has_bits=False)), ("bits", dict(has_iv=False, has_bits=True))):
-            if variant == "bits" and (dtype, D, B) != ("bf16", 128, 128):
+        main_cfg = (dtype, D, B) == ("bf16", 128, 128)
+        for variant, kw in variants.items():
+            if variant != "intervals" and not main_cfg:
                 continue
-            t0 = time.time()
-            ck = compile_one(kind, dtype, D, B, cfg, **kw)
-            usage = resource_usage(ck.asm["cubin"], tool)
-            row = dict(kernel=kind, dtype=dtype, head_dim=D, block=B, mask=variant, block_m=cfg.block_m,
-                       block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                       shared_bytes=int(ck.metadata.shared), compile_s=round(time.time() - t0, 2), **usage)
-            rows.append(row)
-            print(f"{kind:5s} {dtype:5s} D={D:3d} B={B:3d} {variant:9s} m={cfg.block_m:3d} n={cfg.block_n:3d} "
-                  f"w={cfg.num_warps} s={cfg.num_stages}  regs={row['registers']} spill_st={row['spill_stores']} "
-                  f"spill_ld={row['spill_loads']} smem={row['shared_bytes']} hgmma={row['hgmma']} "
-                  f"({row['compile_s']}s)", flush=True)
+            kw = dict(kw)
+            if kind != "fwd":
+                kw.pop("accumulate", None)
+            rows.append(_report_row(kind, dtype, D, B, cfg, variant, kw, tool))
+    for kind in ("merge", "preprocess"):
+        # launch settings of blockattn.kernels.launch on CUDA: 64-row tiles, 8 warps (merge), 4 (delta)
+        cfg = KernelConfig(64, 64, 8 if kind == "merge" else 4, 1)
+        rows.append(_report_row(kind, "bf16", 128, 128, cfg, "-", {}, tool))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     import triton

@@ -70,6 +70,7 @@ class _BlockAttention(torch.autograd.Function):
         out, lse = backend.attention_fwd(q, k, v, tiles, kmask, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.meta = (tiles, tiles_t, kmask, scale, backend)
+        ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero tensor to subtract
         return out, lse
 
     @staticmethod

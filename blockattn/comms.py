@@ -15,8 +15,9 @@ lifecycle is explicit and checked:
 
 Two wire methods, chosen per exchange: "p2p" (`dist.batch_isend_irecv`, only the peers with data)
 and "a2a" (`dist.all_to_all_single` over the whole group, every rank takes part). p2p is the default:
-it was measured faster on gloo for the sparse per-stage traffic of blockwise plans
-(see `bench/bench_distributed.py --comm-method`) and does not make idle ranks wait.
+timing the exchanges of real plans alone (bench/bench_distributed.py: 4 gloo ranks, 16K tokens, five
+strategies x two masks) it was faster in 9 of 10 cases in each of two runs (e.g. dcp on documents
+16.6 vs 27.1 ms fwd+bwd), and it never makes a rank without traffic join a collective.
 
 Process groups (the plan's group and FCP sub-groups) are created once per rank set and cached.
 `count_bytes()` wraps the torch.distributed send calls to measure the bytes actually put on the wire.
@@ -105,11 +106,12 @@ def from_bytes(buf: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: to
 
 @dataclass
 class ByteCounter:
-    """Bytes this process handed to torch.distributed send calls (payload only, all peers)."""
+    """Bytes this process handed to torch.distributed send and receive calls (payload only, all peers)."""
 
     sent: int = 0
+    received: int = 0
     calls: int = 0
-    per_peer: dict = field(default_factory=dict)
+    per_peer: dict = field(default_factory=dict)  # peer -> bytes sent to it
 
     def add(self, peer: int, nbytes: int) -> None:
         self.sent += int(nbytes)
@@ -118,7 +120,7 @@ class ByteCounter:
 
 @contextlib.contextmanager
 def count_bytes():
-    """Count the bytes sent by `dist.batch_isend_irecv` and `dist.all_to_all_single` in this process.
+    """Count the bytes sent and received by `dist.batch_isend_irecv` and `dist.all_to_all_single` here.
 
     Wraps the torch.distributed functions themselves (the executor looks them up at call time), so what
     is counted is what is actually handed to the backend, not what the executor believes it sends.
@@ -129,21 +131,27 @@ def count_bytes():
     def batch_isend_irecv(ops):
         counter.calls += 1
         for op in ops:
+            nbytes = op.tensor.numel() * op.tensor.element_size()
             if op.op is dist.isend:
-                counter.add(op.group_peer if op.group_peer is not None else op.peer, op.tensor.numel() * op.tensor.element_size())
+                counter.add(op.group_peer if op.group_peer is not None else op.peer, nbytes)
+            elif op.op is dist.irecv:
+                counter.received += nbytes
         return orig_batch(ops)
 
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
         counter.calls += 1
-        esize = input.element_size()
-        per_row = input[0].numel() * esize if input.dim() > 1 else esize
-        if input_split_sizes is None:
-            n = dist.get_world_size(group)
-            input_split_sizes = [input.shape[0] // n] * n
+        n = dist.get_world_size(group)
         me = dist.get_rank(group)
-        for peer, rows in enumerate(input_split_sizes):
-            if peer != me and rows:
-                counter.add(peer, rows * per_row)
+        for tensor, splits, sending in ((input, input_split_sizes, True), (output, output_split_sizes, False)):
+            row_bytes = (tensor[0].numel() if tensor.dim() > 1 else 1) * tensor.element_size()
+            splits = splits if splits is not None else [tensor.shape[0] // n] * n
+            for peer, rows in enumerate(splits):
+                if peer != me and rows:
+                    if sending:
+                        counter.add(peer, rows * row_bytes)
+                    else:
+                        counter.received += rows * row_bytes
         return orig_a2a(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
     dist.batch_isend_irecv, dist.all_to_all_single = batch_isend_irecv, all_to_all_single
@@ -187,9 +195,9 @@ class StageExchange:
         self._works: list = []
         self._send_bufs: dict[int, torch.Tensor] = {}
         self._recv_bufs: dict[int, torch.Tensor] = {}
+        self._a2a_in: torch.Tensor | None = None
         self._a2a_out: torch.Tensor | None = None
         self._stream = _comm_stream(self.device)
-        self._done_event = None
 
     @property
     def state(self) -> str:
@@ -198,23 +206,37 @@ class StageExchange:
     def post(self) -> "StageExchange":
         """Pack the send buffers and start all transfers (non-blocking)."""
         if self._state != self._NEW:
-            raise RuntimeError(f"{self.name}: post() called twice (state is {self._state!r}); build a new StageExchange per exchange")
+            raise RuntimeError(f"{self.name}: post() called twice (state is {self._state!r}); "
+                               "build a new StageExchange per exchange")
         self._state = self._POSTED
-        # Packing runs on the current (compute) stream: it reads tensors the compute just wrote.
+        # Buffers are packed and allocated on the current (compute) stream: packing reads what the compute
+        # just wrote, and the received bytes are read back on it after wait().
         self._send_bufs = {p: torch.cat([as_bytes(t) for t in parts]) for p, parts in sorted(self._send_parts.items())}
-        self._recv_bufs = {p: torch.empty(n, dtype=torch.uint8, device=self.device) for p, n in sorted(self._recv_nbytes.items())}
+        if self.method == "p2p":
+            self._recv_bufs = {p: torch.empty(n, dtype=torch.uint8, device=self.device)
+                               for p, n in sorted(self._recv_nbytes.items())}
+            buffers = list(self._send_bufs.values()) + list(self._recv_bufs.values())
+        else:
+            self._a2a_in_splits = [int(self._send_bufs[p].numel()) if p in self._send_bufs else 0
+                                   for p in range(self.world)]
+            self._a2a_out_splits = [int(self._recv_nbytes.get(p, 0)) for p in range(self.world)]
+            parts = [self._send_bufs[p] for p in range(self.world) if p in self._send_bufs]
+            self._a2a_in = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=self.device)
+            self._a2a_out = torch.empty(sum(self._a2a_out_splits), dtype=torch.uint8, device=self.device)
+            buffers = [self._a2a_in, self._a2a_out]
         stream_ctx = contextlib.nullcontext()
         if self._stream is not None:
-            ready = torch.cuda.current_stream(self.device).record_event()
-            self._stream.wait_event(ready)
-            for buf in list(self._send_bufs.values()) + list(self._recv_bufs.values()):
-                buf.record_stream(self._stream)  # allocated on the compute stream, used on the comm stream
+            self._stream.wait_event(torch.cuda.current_stream(self.device).record_event())
+            for buf in buffers:
+                buf.record_stream(self._stream)  # keep the memory until the comm stream is done with it
             stream_ctx = torch.cuda.stream(self._stream)
         with stream_ctx:
             if self.method == "p2p":
                 self._post_p2p()
             else:
-                self._post_a2a()
+                work = dist.all_to_all_single(self._a2a_out, self._a2a_in, self._a2a_out_splits, self._a2a_in_splits,
+                                              group=self.group, async_op=True)
+                self._works = [work] if work is not None else []
         return self
 
     def _post_p2p(self) -> None:
@@ -226,19 +248,6 @@ class StageExchange:
             ops.append(dist.P2POp(dist.isend, buf, group=self.group, group_peer=peer, tag=self.tag))
         if ops:
             self._works = list(dist.batch_isend_irecv(ops) or [])
-
-    def _post_a2a(self) -> None:
-        in_splits = [int(self._send_bufs[p].numel()) if p in self._send_bufs else 0 for p in range(self.world)]
-        out_splits = [int(self._recv_nbytes.get(p, 0)) for p in range(self.world)]
-        send = [self._send_bufs[p] for p in range(self.world) if p in self._send_bufs]
-        inp = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8, device=self.device)
-        self._a2a_out = torch.empty(sum(out_splits), dtype=torch.uint8, device=self.device)
-        if self._stream is not None:
-            inp.record_stream(self._stream)
-            self._a2a_out.record_stream(self._stream)
-        self._a2a_splits = out_splits
-        work = dist.all_to_all_single(self._a2a_out, inp, out_splits, in_splits, group=self.group, async_op=True)
-        self._works = [work] if work is not None else []
 
     def wait(self) -> dict[int, torch.Tensor]:
         """Block until this exchange is complete; returns {peer: received uint8 buffer}."""
@@ -255,13 +264,13 @@ class StageExchange:
             torch.cuda.current_stream(self.device).wait_event(done)
         if self.method == "a2a":
             offset = 0
-            for peer, n in enumerate(self._a2a_splits):
+            for peer, n in enumerate(self._a2a_out_splits):
                 if n:
                     self._recv_bufs[peer] = self._a2a_out[offset : offset + n]
                 offset += n
         self._state = self._DONE
         self._works = []
-        self._send_bufs = {}  # send buffers may be freed now (record_stream keeps them alive on CUDA)
+        self._send_bufs, self._a2a_in = {}, None  # may be freed now (record_stream guards them on CUDA)
         return self._recv_bufs
 
     def __repr__(self) -> str:

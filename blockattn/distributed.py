@@ -31,10 +31,9 @@ import torch.distributed as dist
 from blockattn import comms
 from blockattn.planner.schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_NAMES, KIND_OUT, KIND_Q
 
-__all__ = ["distributed_block_attention", "check_plan_agreement", "rank_program", "RankProgram"]
+__all__ = ["distributed_block_attention", "check_plan_agreement", "rank_program", "build_rank_program", "RankProgram"]
 
 _INPUT_KINDS = {"fwd": (KIND_Q, KIND_KV), "bwd": (KIND_DO,)}
-_RESULT_KINDS = {"fwd": (KIND_OUT,), "bwd": (KIND_DQ, KIND_DKV)}
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
@@ -53,6 +52,7 @@ class _Exchange:
     sends: dict  # peer -> list[_Section]  (rows: where to read)
     recvs: dict  # peer -> list[_Section]  (rows: where to write / fold)
     recv_nbytes: dict  # peer -> int
+    send_nbytes: dict  # peer -> int
 
 
 @dataclass(frozen=True)
@@ -124,14 +124,15 @@ def rank_program(plan, rank: int, block_mask, device) -> RankProgram:
     key = (plan_fingerprint(plan), int(rank), str(device))
     prog = _PROGRAMS.get(key)
     if prog is None:
-        prog = _build_program(plan, int(rank), block_mask, torch.device(device))
+        prog = build_rank_program(plan, int(rank), block_mask, torch.device(device))
         if len(_PROGRAMS) > 64:
             _PROGRAMS.clear()
         _PROGRAMS[key] = prog
     return prog
 
 
-def _build_program(plan, me: int, bm, device: torch.device) -> RankProgram:
+def build_rank_program(plan, me: int, bm, device: torch.device) -> RankProgram:
+    """Rank `me`'s buffer layout, per-stage tile lists and exchanges for `plan` (bm: its BlockMask)."""
     from blockattn.kernels import TileList
 
     B, nB, T, S = plan.block_size, plan.num_blocks, plan.total_len, plan.num_stages
@@ -208,7 +209,8 @@ def _check_stages(plan, direction: str, table: torch.Tensor) -> None:
     """Inputs must arrive in stages 1..S-1 and results leave in stages 1..S (the executor's contract)."""
     S = plan.num_stages
     is_input = torch.isin(table[:, 3], torch.tensor(_INPUT_KINDS[direction]))
-    bad = (is_input & ((table[:, 0] < 1) | (table[:, 0] > S - 1))) | (~is_input & ((table[:, 0] < 1) | (table[:, 0] > S)))
+    last = torch.where(is_input, S - 1, S)
+    bad = (table[:, 0] < 1) | (table[:, 0] > last)
     if bool(bad.any()):
         row = table[torch.nonzero(bad)[0, 0]].tolist()
         raise ValueError(f"plan {plan.strategy}: {direction} transfer (stage, src, dst, kind, block)={row} has a stage "
@@ -222,7 +224,7 @@ def _exchange(table, direction, j, me, q_row, kv_row, local_start, local, lens, 
     rows = table[in_ex & ((table[:, 1] == me) | (table[:, 2] == me))]
     home_row = torch.full_like(q_row, -1)
     home_row[local] = local_start
-    sends, recvs, recv_nbytes = {}, {}, {}
+    sends, recvs, recv_nbytes, send_nbytes = {}, {}, {}, {}
     for sending in (True, False):
         side = rows[rows[:, 1] == me] if sending else rows[rows[:, 2] == me]
         peer_col = 2 if sending else 1
@@ -248,9 +250,8 @@ def _exchange(table, direction, j, me, q_row, kv_row, local_start, local, lens, 
                 sections.append(_Section(kind, blocks, tok.to(device)))
                 nbytes += _payload_bytes(kind, tok.numel(), *dims)
             (sends if sending else recvs)[peer] = sections
-            if not sending:
-                recv_nbytes[peer] = nbytes
-    return _Exchange(sends, recvs, recv_nbytes)
+            (send_nbytes if sending else recv_nbytes)[peer] = nbytes
+    return _Exchange(sends, recvs, recv_nbytes, send_nbytes)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -351,12 +352,11 @@ class _DistributedAttention(torch.autograd.Function):
         hkv = kb.shape[1]
         dev = qb.device
         dims = (hq, hkv, d)
-        if dout is None:
-            dout = torch.zeros_like(out_local)
-        delta_local = be.attention_bwd_preprocess(out_local, dout.contiguous())
+        dout = torch.zeros_like(out_local) if dout is None else dout.to(out_local.dtype).contiguous()
+        delta_local = be.attention_bwd_preprocess(out_local, dout)
         if dlse is not None:
             # d lse / d s_ij = p_ij, so an lse gradient shifts delta: ds = p * (dp - (delta - dlse))
-            delta_local = delta_local - dlse.to(torch.float32)
+            delta_local = delta_local - torch.nan_to_num(dlse.float(), nan=0.0, posinf=0.0, neginf=0.0)
         dout_b = torch.zeros(prog.q_buf_rows, hq, d, dtype=qb.dtype, device=dev)
         lse_b = torch.full((hq, prog.q_buf_rows), float("-inf"), dtype=torch.float32, device=dev)
         delta_b = torch.zeros(hq, prog.q_buf_rows, dtype=torch.float32, device=dev)
@@ -449,7 +449,8 @@ def check_plan_agreement(plan, mask_spec, q, k, v, group) -> None:
         problems.append("ranks pass different mask_specs (signatures differ)")
     for i, r in enumerate(rows):
         if r["plan_world"] != r["group_size"]:
-            problems.append(f"rank {i}: plan.world_size = {r['plan_world']} but the process group has {r['group_size']} ranks")
+            problems.append(f"rank {i}: plan.world_size = {r['plan_world']} but the process group has "
+                            f"{r['group_size']} ranks")
         elif not r["q_rows"] == r["k_rows"] == r["v_rows"] == r["expected_rows"]:
             problems.append(f"rank {i}: q/k/v have {r['q_rows']}/{r['k_rows']}/{r['v_rows']} rows but "
                             f"len(plan.local_tokens({i})) = {r['expected_rows']}; pass x[plan.local_tokens(rank)]")
@@ -486,7 +487,8 @@ def _validate_against_plan(q, k, mask_spec, plan, me: int) -> None:
     if mask_spec.signature() != plan.mask_signature:
         raise ValueError("mask_spec is not the mask the plan was made for (signatures differ); "
                          "make the plan from this mask_spec")
-    if tuple(q.shape[1:]) != (plan.num_q_heads, plan.head_dim) or tuple(k.shape[1:]) != (plan.num_kv_heads, plan.head_dim):
+    want_q, want_kv = (plan.num_q_heads, plan.head_dim), (plan.num_kv_heads, plan.head_dim)
+    if tuple(q.shape[1:]) != want_q or tuple(k.shape[1:]) != want_kv:
         raise ValueError(f"plan expects q [n, {plan.num_q_heads}, {plan.head_dim}] and k/v [n, {plan.num_kv_heads}, "
                          f"{plan.head_dim}], got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if q.dtype != plan.dtype:
@@ -524,8 +526,21 @@ def distributed_block_attention(q, k, v, mask_spec, plan, *, softmax_scale=None,
     """
     group = group if group is not None else comms.get_group()
     size, me = dist.get_world_size(group), dist.get_rank(group)
+    if me < 0:
+        raise ValueError(f"global rank {dist.get_rank()} is not a member of the given group; call "
+                         "distributed_block_attention only on the group's ranks")
     if comm_method not in comms.COMM_METHODS:
         raise ValueError(f"comm_method must be one of {comms.COMM_METHODS}, got {comm_method!r}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
+                                          and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number (None: 1/sqrt(D)), got {softmax_scale!r}")
+    for name in ("total_len", "signature", "block_mask"):
+        if not hasattr(mask_spec, name):
+            raise TypeError(f"mask_spec must be a blockattn.MaskSpec (missing .{name}), got {type(mask_spec).__name__}")
+    for name in ("schedule", "local_tokens", "fingerprint"):
+        if not hasattr(plan, name):
+            raise TypeError(f"plan must be a Plan from blockattn.make_plan (missing .{name}), "
+                            f"got {type(plan).__name__}")
     _validate_tensors(q, k, v)
     be = _resolve_backend(backend)
     check_plan_agreement(plan, mask_spec, q, k, v, group)

@@ -44,15 +44,15 @@ def attention_bwd_dq_kernel(
     Intervals, Bits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lh,
-    T, qk_scale, sm_scale,
+    T, num_heads, qk_scale, sm_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr, HAS_BITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
-    pid = tl.program_id(0)
-    hq = tl.program_id(1)
+    pid = tl.program_id(0) // num_heads  # heads fastest (shared K/V tiles in L2)
+    hq = tl.program_id(0) % num_heads
     hk = hq // GROUP
     w = tl.load(WorkOrder + pid // M_SPLIT)
     m_rel = (pid % M_SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -121,7 +121,7 @@ def attention_bwd_dkdv_kernel(
     Intervals, Bits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-    T, qk_scale, sm_scale,
+    T, num_heads, qk_scale, sm_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr, HAS_BITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -129,8 +129,8 @@ def attention_bwd_dkdv_kernel(
     # here the work block is a kv-block (BLOCK_N rows per program) and partners are q-blocks (BLOCK_M)
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
     M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
-    pid = tl.program_id(0)
-    hk = tl.program_id(1)
+    pid = tl.program_id(0) // num_heads
+    hk = tl.program_id(0) % num_heads
     w = tl.load(WorkOrder + pid // N_SPLIT)
     n_rel = (pid % N_SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_glob = tl.load(WorkGlob + w) + n_rel

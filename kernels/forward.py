@@ -4,8 +4,10 @@ Notation (docs/design.md): T total tokens, B block size, one program = (BLOCK_M 
 one q head hq); hk = hq // GROUP is its kv head (GQA without repeating K/V). Partner kv-blocks are
 walked in BLOCK_N sub-tiles: FULL tiles first with no mask arithmetic, then PARTIAL tiles with the exact
 mask (intervals or per-tile bits). ``row`` = buffer row, ``glob`` = global token index.
+Programs are numbered (work tile, head) with the head fastest.
 State per row: m_i running max of s2 = qk_scale * q.k (qk_scale = scale * log2 e), l_i running sum of
 exp2(s2 - m_i), acc the unnormalized output. Rows with no unmasked key end with O = 0, LSE = -inf.
+ACCUMULATE merges the result with the (O, LSE) already in Out/Lse, after the tile loops.
 """
 import triton
 import triton.language as tl
@@ -29,15 +31,17 @@ def attention_fwd_kernel(
     WorkOrder, WorkRow, WorkGlob, FullPtr, FullRow, FullGlob, PartPtr, PartRow, PartGlob, PartBits,
     Intervals, Bits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-    T, qk_scale,
+    T, num_heads, qk_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr, HAS_BITS: tl.constexpr,
     ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
-    pid = tl.program_id(0)
-    hq = tl.program_id(1)
+    # heads vary fastest across programs: the GROUP q heads of one kv head run together and share
+    # each K/V tile through L2
+    pid = tl.program_id(0) // num_heads
+    hq = tl.program_id(0) % num_heads
     hk = hq // GROUP
     w = tl.load(WorkOrder + pid // M_SPLIT)
     m_rel = (pid % M_SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -49,19 +53,9 @@ def attention_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
 
     q = _load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
-    o_ptrs = Out + q_row0 * stride_ot + hq * stride_oh + (offs_m[:, None] * stride_ot + offs_d[None, :])
-    l_ptrs = Lse + hq.to(tl.int64) * stride_lh + q_row0 + offs_m
-    if ACCUMULATE:
-        # resume from a normalized partial (O, LSE): m = LSE in exp2 domain, l = 1, acc = O
-        lse0 = tl.load(l_ptrs, mask=q_valid, other=float("-inf"))
-        m_i = lse0 * LOG2E
-        l_i = tl.where(lse0 == float("-inf"), 0.0, 1.0)
-        o0 = tl.load(o_ptrs, mask=q_valid[:, None], other=0.0).to(tl.float32)
-        acc = tl.where(l_i[:, None] > 0, o0, 0.0)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     # FULL tiles: every valid (q, k) pair attends; only the ragged last block needs a column mask
     start = tl.load(FullPtr + w)
@@ -109,5 +103,20 @@ def attention_fwd_kernel(
     l_safe = tl.where(has_key, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+    l_ptrs = Lse + hq.to(tl.int64) * stride_lh + q_row0 + offs_m
+    if ACCUMULATE:
+        # fused merge with the given partial (O0, LSE0), folded in after the loops so that it adds
+        # no live registers to them; an empty side (LSE = -inf) has weight 0 whatever its O holds
+        lse0 = tl.load(l_ptrs, mask=q_valid, other=float("-inf"))
+        o0 = _load_rows(Out, q_row0, offs_m, stride_ot, hq * stride_oh, offs_d, q_valid, EVEN_T).to(tl.float32)
+        m_tot = tl.maximum(lse, lse0)
+        m_shift = tl.where(m_tot == float("-inf"), 0.0, m_tot)
+        w0 = tl.math.exp2((lse0 - m_shift) * LOG2E)
+        w1 = tl.math.exp2((lse - m_shift) * LOG2E)
+        total = w0 + w1
+        total_safe = tl.where(total > 0, total, 1.0)
+        out = (tl.where(w0[:, None] > 0, w0[:, None] * o0, 0.0) + w1[:, None] * out) / total_safe[:, None]
+        lse = tl.where(total > 0, m_shift + tl.math.log2(total_safe) * LN2, float("-inf"))
+    o_ptrs = Out + q_row0 * stride_ot + hq * stride_oh + (offs_m[:, None] * stride_ot + offs_d[None, :])
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_valid[:, None])
     tl.store(l_ptrs, lse, mask=q_valid)

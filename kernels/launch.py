@@ -44,21 +44,30 @@ def interpreted() -> bool:
 def kernel_config(kind: str, block: int, head_dim: int, device: torch.device) -> KernelConfig:
     """Default tiles for ``kind`` in {"fwd", "dq", "dkdv"}.
 
-    The interpreter pays per sub-tile in Python, so it takes whole blocks. On GPUs the choice follows
-    the sm_90a static report (bench/kernel_report.py): forward 128 x 128 (x 64 at D=256) with 8 warps;
-    dQ keeps 128 q rows against 32-key sub-tiles, dK/dV 128 key rows against 32-query sub-tiles
-    (the backward holds two more accumulators, so its partner tiles are narrower to avoid spills).
+    The interpreter pays per sub-tile in Python, so it takes whole blocks. On GPUs the choice is the
+    fastest-looking configuration with zero spills in the sm_90a static report (bench/kernel_report.py,
+    bf16, block 128; registers in brackets):
+    forward 128 x 128, 8 warps, 3 stages (D=128: 250 regs; 128 x 64 at D=256: 250);
+    dQ 128 q rows x 64-key sub-tiles, 8 warps (D=128: 186; 128 x 32, 1 stage at D=256: 254);
+    dK/dV 128 key rows x 32-query sub-tiles at D<=64 (217), x 16 at D=128 (236; x 32 spills, and
+    64-row kv tiles would load every q tile twice), 32 x 16 at D=256 (168; every HGMMA shape spilled).
     """
     if device.type != "cuda":
         return KernelConfig(block, block, 4, 1)
     if kind == "fwd":
-        bm = min(block, 128)
-        bn = min(block, 128 if head_dim <= 128 else 64)
-        return KernelConfig(bm, bn, 8 if bm >= 128 else 4, 3 if head_dim <= 128 else 2)
+        if head_dim <= 128:
+            return KernelConfig(min(block, 128), min(block, 128), 8, 3)
+        return KernelConfig(min(block, 128), min(block, 64), 8, 2)
     if kind == "dq":
-        return KernelConfig(min(block, 128), min(block, 32), 8 if head_dim > 64 else 4, 3 if head_dim <= 128 else 1)
+        if head_dim <= 128:
+            return KernelConfig(min(block, 128), min(block, 64), 8, 3)
+        return KernelConfig(min(block, 128), min(block, 32), 8, 1)
     if kind == "dkdv":
-        return KernelConfig(min(block, 32), min(block, 128), 8 if head_dim > 64 else 4, 3 if head_dim <= 128 else 1)
+        if head_dim <= 64:
+            return KernelConfig(min(block, 32), min(block, 128), 8, 3)
+        if head_dim <= 128:
+            return KernelConfig(min(block, 16), min(block, 128), 8, 3)
+        return KernelConfig(min(block, 16), min(block, 32), 8, 2)
     raise ValueError(f"unknown kernel kind {kind!r}; expected 'fwd', 'dq' or 'dkdv'")
 
 
@@ -148,7 +157,10 @@ def _scale(scale, D):
 
 
 def _dot_precision(dtype):
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # fp32 inputs follow torch's matmul setting: TF32 tensor cores only where torch allows them
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
 
 
 def _check_lse(name, t, H, R, device):
@@ -187,12 +199,12 @@ def attention_fwd(q, k, v, tiles: TileList, mask: KernelMask, scale=None, *, out
     cfg = config or kernel_config("fwd", B, D, q.device)
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     scale = _scale(scale, D)
-    grid = (tiles.num_work * (B // cfg.block_m), Hq)
+    grid = (tiles.num_work * (B // cfg.block_m) * Hq,)
     attention_fwd_kernel[grid](
         q, k, v, out, lse, *_tile_args(tiles), iv, bits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        T, scale * LOG2E,
+        T, Hq, scale * LOG2E,
         GROUP=Hq // k.shape[1], BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
         EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, ACCUMULATE=bool(accumulate),
         DOT_PREC=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -227,7 +239,7 @@ def merge_partials(outs, lses):
         outs, lses, out, lse, N, R,
         outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0), lses.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        BLOCK_R=block_r, HEAD_DIM=D, num_warps=4)
+        BLOCK_R=block_r, HEAD_DIM=D, num_warps=8 if outs.device.type == "cuda" else 4)
     return out, lse
 
 
@@ -283,11 +295,11 @@ def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMas
     cfg = config or kernel_config("dq", B, D, q.device)
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     scale = _scale(scale, D)
-    attention_bwd_dq_kernel[(tiles.num_work * (B // cfg.block_m), Hq)](
+    attention_bwd_dq_kernel[(tiles.num_work * (B // cfg.block_m) * Hq,)](
         q, k, v, dout, lse, delta, dq, *_tile_args(tiles), iv, bits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-        T, scale * LOG2E, scale,
+        T, Hq, scale * LOG2E, scale,
         GROUP=Hq // k.shape[1], BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
         EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -309,11 +321,11 @@ def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: Kerne
     cfg = config or kernel_config("dkdv", B, D, q.device)
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     scale = _scale(scale, D)
-    attention_bwd_dkdv_kernel[(tiles_t.num_work * (B // cfg.block_n), Hkv)](
+    attention_bwd_dkdv_kernel[(tiles_t.num_work * (B // cfg.block_n) * Hkv,)](
         q, k, v, dout, lse, delta, dk, dv, *_tile_args(tiles_t), iv, bits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-        T, scale * LOG2E, scale,
+        T, Hkv, scale * LOG2E, scale,
         GROUP=Hq // Hkv, BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
         EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

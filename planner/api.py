@@ -12,7 +12,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from . import baselines
+from . import baselines, dcp, fcp
 from .cost_model import CostModel, Topology
 from .placement import Placement, compact_stages
 from .plan import Plan
@@ -21,14 +21,13 @@ from .tiles import TileSet
 
 DEFAULT_BLOCK_SIZE = 128
 MIN_AUTO_BLOCK_SIZE = 16
-MAX_WORLD_SIZE = 1 << 16
+MAX_WORLD_SIZE = 4096  # per-rank x per-block tables stay small (P * nB booleans)
 _CACHE_SIZE = 32
 _cache: "OrderedDict[tuple, Plan]" = OrderedDict()
 
 
 def _strategies() -> dict:
-    from . import dcp, fcp  # late import: they import this module's helpers
-
+    """Strategy name -> placement function(tiles, world_size, **sizes) -> Placement."""
     return {
         "dcp": dcp.dcp,
         "fcp": fcp.fcp,

@@ -2,8 +2,9 @@
 
 Notation (docs/design.md): P ranks, tiles (qb, kb) with compute time ``c`` (seconds, cost model),
 ``home[b]`` owns block b; C[r] = compute time of rank r, X[r] = its communication time
-(per link: max(bytes sent, bytes received) / bandwidth; NVLink and NIC in parallel), and the
-rank's time is estimated as max(C[r], X[r]) (stages overlap transfers with compute).
+(per link: (bytes sent + bytes received) / bandwidth, since inputs travel before the compute and
+partials after it; NVLink and NIC in parallel), and the rank's time is estimated as
+max(C[r], X[r]) (stages overlap transfers with compute).
 
 Moving a set of tiles from donor r to target t costs, once per block (receive-once rule):
 a Q block for each q-block t does not hold yet, a KV block for each kv-block t does not hold yet,
@@ -29,6 +30,7 @@ from .tiles import TileSet
 BALANCE_SLACK = 0.02  # donors shed until within 2% of the mean (target 5%)
 MAX_TARGETS_PER_DONOR = 12  # targets tried per donor and round (bounds planning time at large P)
 MAX_ROUNDS = 3
+MAX_MOVE_TILES = 4096  # longest prefix evaluated per move (a donor may move again later)
 
 
 class Balancer:
@@ -55,6 +57,7 @@ class Balancer:
         self.have_q = np.zeros((P, nB), dtype=bool)
         self.have_kv = np.zeros((P, nB), dtype=bool)
         self.has_out = np.zeros((P, nB), dtype=bool)
+        self._scratch = np.zeros(nB, dtype=np.int64)
         blocks = np.arange(nB)
         self.have_q[home, blocks] = True
         self.have_kv[home, blocks] = True
@@ -68,19 +71,25 @@ class Balancer:
     def _add_kv(self, dst: np.ndarray, kv: np.ndarray) -> None:
         new = ~self.have_kv[dst, kv]
         dst, kv = dst[new], kv[new]
-        key = np.unique(dst * self.nB + kv)
-        dst, kv = key // self.nB, key % self.nB
+        if dst.size * 8 > self.have_kv.size:  # large batch: dedupe on the [P, nB] grid, no sort
+            grid = np.zeros_like(self.have_kv)
+            grid[dst, kv] = True
+            dst, kv = np.nonzero(grid)
+        else:
+            key = np.unique(dst * self.nB + kv)
+            dst, kv = key // self.nB, key % self.nB
         self.have_kv[dst, kv] = True
         src, link = self.home[kv], self._link(self.home[kv], dst)
         np.add.at(self.send, (src, link), self.kv_bytes[kv])
         np.add.at(self.recv, (dst, link), self.kv_bytes[kv])
 
     def time(self, r: int) -> float:
-        return max(self.C[r], float((np.maximum(self.send[r], self.recv[r]) / self.bw).max()))
+        return max(self.C[r], float(((self.send[r] + self.recv[r]) / self.bw).max()))
 
     def _comm(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
-        """[k] comm time from [k, 2] cumulative send / recv bytes."""
-        return (np.maximum(send, recv) / self.bw).max(axis=1)
+        """[k] comm time from [k, 2] cumulative send / recv bytes. Sends and receives are added, not
+        overlapped: a moved row's Q leaves before the compute and its OUT returns after it."""
+        return ((send + recv) / self.bw).max(axis=1)
 
     # ------------------------------------------------------------------ moves
     def try_move(self, cand: np.ndarray, r: int, t: int) -> bool:
@@ -92,13 +101,14 @@ class Balancer:
         k_max = int(np.searchsorted(cum_c, amount, side="right"))
         if k_max < cand.size:
             k_max += 1  # allow the tile that crosses the amount; the objective decides
+        k_max = min(k_max, MAX_MOVE_TILES)
         cand, cum_c = cand[:k_max], cum_c[:k_max]
         q, kv = self.t.q[cand], self.t.kv[cand]
         hq, hkv = self.home[q], self.home[kv]
-        first_q = _first_occurrence(q)
+        first_q = _first_occurrence(q, self._scratch)
         new_q = first_q & ~self.have_q[t, q]
         new_out = first_q & (hq != t) & ~self.has_out[t, q]
-        new_kv = _first_occurrence(kv) & ~self.have_kv[t, kv]
+        new_kv = _first_occurrence(kv, self._scratch) & ~self.have_kv[t, kv]
         lq, lkv = self._link(hq, t), self._link(hkv, t)
 
         def per_link(flags, nbytes, link):
@@ -114,8 +124,10 @@ class Balancer:
         r_recv = self.recv[r] + per_link(new_out & own_q, self.out_bytes[q], lq)
         t_send = self.send[t] + out_back
         t_recv = self.recv[t] + q_in + kv_in
-        obj = np.maximum(np.maximum(self.C[r] - cum_c, self._comm(r_send, r_recv)),
-                         np.maximum(self.C[t] + cum_c, self._comm(t_send, t_recv)))
+        time_t = np.maximum(self.C[t] + cum_c, self._comm(t_send, t_recv))
+        obj = np.maximum(np.maximum(self.C[r] - cum_c, self._comm(r_send, r_recv)), time_t)
+        # never turn the target into a new straggler: its time stays within the cap
+        obj[time_t > max(self.cap, self.time(t))] = np.inf
         before = max(self.time(r), self.time(t))
         k = int(np.argmin(obj))
         if obj[k] >= before * (1 - 1e-6):
@@ -146,43 +158,80 @@ class Balancer:
         """Shed load from overloaded ranks; returns the tile ranks."""
         if self.P == 1 or self.c.size == 0:
             return self.rank
-        mean_tile = self.c.mean()
-        q_cost = self.q_bytes.max() + self.out_bytes.max()
-        kv_cost = self.kv_bytes.max()
+        # A donor's candidates are its initial tiles (targets are filled to about the cap, so the
+        # tiles a rank received are never worth passing on again).
+        by_rank = _argsort_small_ints(self.rank)
+        bounds = np.searchsorted(self.rank[by_rank], np.arange(self.P + 1))
+        stuck = np.zeros(self.P, dtype=bool)  # donors that found no move in a round stay put
         for _ in range(MAX_ROUNDS):
             progress = False
             for r in np.argsort(-self.C, kind="stable").tolist():
                 if self.C[r] <= self.cap:
                     break
-                under = np.flatnonzero(self.C < self.mean)
-                pref = np.lexsort((self.C[under], self.node[under] != self.node[r]))
-                for t in under[pref][:MAX_TARGETS_PER_DONOR].tolist():
-                    if self.C[r] <= self.cap:
-                        break
-                    mine = np.flatnonzero(self.rank == r)
-                    # rows whose KV is home at t: only Q + OUT move, largest rows first
-                    rows = mine[self.home[self.t.kv[mine]] == t]
-                    if rows.size:
-                        row_c = np.bincount(self.t.q[rows], weights=self.c[rows])
-                        rows = rows[np.lexsort((self.t.kv[rows], self.t.q[rows], -row_c[self.t.q[rows]]))]
-                        progress |= self.try_move(rows, r, t)
-                        mine = np.flatnonzero(self.rank == r)
-                    if self.C[r] <= self.cap or self.C[t] >= self.cap:
-                        continue
-                    n = max(1.0, min(self.C[r] - self.mean, self.cap - self.C[t]) / mean_tile)
-                    width = int(max(1, round(np.sqrt(n * q_cost / kv_cost))))
-                    rect = mine[np.lexsort((self.t.kv[mine], self.t.q[mine], self.t.kv[mine] // width))]
-                    progress |= self.try_move(rect, r, t)
+                if stuck[r] or not np.any(self.C < self.mean):
+                    continue
+                load_before = self.C[r]
+                mine = by_rank[bounds[r]:bounds[r + 1]]
+                mine = mine[self.rank[mine] == r]
+                self._shed_rows(r, mine)
+                self._shed_rectangles(r, mine[self.rank[mine] == r])
+                stuck[r] = self.C[r] >= load_before
+                progress |= not stuck[r]
             if not progress:
                 break
         return self.rank
 
+    def _shed_rows(self, r: int, mine: np.ndarray) -> None:
+        """Rows of r's tiles to kv-homes under the mean (only Q + OUT move), largest rows first."""
+        q, kv = self.t.q[mine], self.t.kv[mine]
+        kv_home = self.home[kv]
+        row_c = np.bincount(q, weights=self.c[mine])
+        order = np.lexsort((kv, q, -row_c[q]))
+        mine_rows, kv_home_rows = mine[order], kv_home[order]
+        homes = np.unique(kv_home)
+        homes = homes[(homes != r) & (self.C[homes] < self.mean)]
+        homes = homes[np.lexsort((self.C[homes], self.node[homes] != self.node[r]))][:MAX_TARGETS_PER_DONOR]
+        for t in homes.tolist():
+            if self.C[r] <= self.cap:
+                return
+            rows = mine_rows[kv_home_rows == t]
+            self.try_move(rows[self.rank[rows] == r], r, t)
 
-def _first_occurrence(values: np.ndarray) -> np.ndarray:
-    """bool mask: True at the first position of each distinct value."""
-    if values.size == 0:
-        return np.zeros(0, dtype=bool)
-    _, first = np.unique(values, return_index=True)
-    mask = np.zeros(values.size, dtype=bool)
-    mask[first] = True
-    return mask
+    def _shed_rectangles(self, r: int, mine: np.ndarray) -> None:
+        """Rectangles of r's tiles to the least loaded ranks, same node first. A failed move means
+        more loaded targets of the same class (same node / other node) would fail too."""
+        under = np.flatnonzero(self.C < self.mean)
+        targets = under[np.lexsort((self.C[under], self.node[under] != self.node[r]))][:MAX_TARGETS_PER_DONOR]
+        if targets.size == 0 or mine.size == 0:
+            return
+        n = max(1.0, (self.C[r] - self.mean) / targets.size / self.c.mean())
+        q_cost = self.q_bytes.max() + self.out_bytes.max()
+        width = int(max(1, round(np.sqrt(n * q_cost / self.kv_bytes.max()))))
+        rect = mine[np.lexsort((self.t.kv[mine], self.t.q[mine], self.t.kv[mine] // width))]
+        failed_class = set()
+        for t in targets.tolist():
+            if self.C[r] <= self.cap:
+                return
+            remote = bool(self.node[t] != self.node[r])
+            if remote in failed_class or self.C[t] >= self.cap:
+                continue
+            rect = rect[self.rank[rect] == r]
+            if not self.try_move(rect, r, t):
+                failed_class.add(remote)
+
+
+def _argsort_small_ints(values: np.ndarray) -> np.ndarray:
+    """Stable argsort; keys below 2**15 are radix-sorted as int16 (O(n))."""
+    if values.size and values.max() < 2**15:
+        values = values.astype(np.int16)
+    return np.argsort(values, kind="stable")
+
+
+def _first_occurrence(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """bool mask: True at the first position of each distinct value (values index ``scratch``).
+
+    O(k): writing positions in reverse makes the earliest position the surviving write."""
+    k = values.size
+    pos = np.arange(k)
+    scratch[values[::-1]] = pos[::-1]
+    return scratch[values] == pos

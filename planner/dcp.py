@@ -3,37 +3,53 @@
 Notation (docs/design.md): T tokens, nB blocks of B tokens, P ranks, tile (qb, kb) with forward FLOPs
 ``4 * D * Hq * pairs``; ``home[b]`` owns block b; M = mean per-rank FLOPs.
 
-Three steps, each near-linear in the number of tiles:
+Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not tiles):
 
-1. Data placement (memory): P contiguous runs of blocks with equal token counts (within one block),
-   each cut nudged by at most ``CUT_SLACK`` of a run to the boundary crossed by the fewest tiles, so
-   documents stay whole where a cheap cut exists and long documents are split into neighbouring
-   ranks (neighbours share a node). Alternatively (``init="fcp"``) the FCP group placement.
-2. Tile placement (compute): every tile starts on its q-block's home (reads remote KV only; no OUT
-   partial). Ranks above ``(1 + BALANCE_SLACK) * M`` then shed work:
-   a. to the kv-block's home (the other zero-extra-input choice: only the Q block moves, plus one OUT
-      partial back), whole q-rows first, intra-node pairs first, largest rows first - a row moved to
-      a rank costs one Q and one OUT however many of its tiles move (receive-once rule);
-   b. what remains goes to the least loaded ranks (same node first) as rectangles of a rows x b
-      kv-blocks with ``b = sqrt(n * (Q + OUT) / KV)`` for n tiles, which minimizes
-      ``a * (Q + OUT) + b * KV`` for that amount of work.
+1. Data placement (memory, always within a few percent):
+   * "contiguous": P equal-token contiguous runs of blocks, each cut nudged by at most
+     ``CUT_SLACK`` of a run to the boundary crossed by the fewest tiles, so documents stay whole
+     where a cheap cut exists and long documents are split over neighbouring ranks (same node);
+   * "hierarchical" (several nodes): FCP packing of documents onto nodes (compute and memory in
+     proportion to each node's ranks), then contiguous runs inside each node;
+   * "fcp" (planner/fcp.py) or "zigzag" (planner/baselines.py) placements.
+2. Tile placement (compute, planner/balance.py): every tile starts on its q-block's home (reads
+   remote KV only, no OUT partial). Overloaded ranks then shed q-rows to the kv-homes (only Q and
+   one OUT partial move per row, receive-once) and rectangles to the least loaded ranks, same node
+   first, each move taken only if the cost model says it shortens the slower of the two ranks.
 3. Stages (planner/stages.py): stage 0 = tiles whose inputs are home; remote inputs ordered by the
    compute they unlock per transfer second and cut into <= ``max_stages`` stages, each sized to hide
-   behind the previous stage's compute.
+   behind the previous stage's compute; purely local tiles are then spread into later stages where
+   a rank's transfers (e.g. OUT partials returning to a donor) would otherwise be exposed.
+
+No initial placement dominates (measured over the benchmark batches: on one node "contiguous" or
+"fcp" win, on several nodes any of the four), so dcp plans the candidates in turn and keeps the
+one with the lowest simulated forward + backward time, stopping early once a plan is within 5% of
+the lower bound. On several nodes the plain zigzag baseline ("zigzag-ring") is a candidate too, so
+dcp is never slower than it in the cost model. Batches with many tiles are planned on merged
+blocks (``coarsen``) and mapped back, which keeps planning time near-linear in the batch.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .balance import Balancer
 from .cost_model import CostModel
 from .placement import Placement, balanced_bounds, compact_stages, runs_to_home
-from .balance import Balancer
 from .schedule import derive_schedule, payload_bytes
 from .stages import assign_stages, spread_local_tiles
-from .tiles import TileSet
+from .tiles import TileSet, coarsen
 
 CUT_SLACK = 0.03  # a run boundary may move by up to 3% of a run to find a cheaper cut
+# Initial data placements tried, in order of how often each won in bench/bench_planner.py runs; the
+# first plan within GOOD_ENOUGH of the lower bound (fwd + bwd) is kept without trying the rest.
+SINGLE_NODE_INITS = ("contiguous", "fcp")
+MULTI_NODE_INITS = ("hierarchical", "zigzag", "fcp", "contiguous", "zigzag-ring")
+GOOD_ENOUGH = 1.05
+# Large batches are planned on merged blocks (2x2, 4x4, ... tiles) while that keeps >= 32 merged
+# blocks per rank (memory balance within ~3%); the result is mapped back to the real blocks.
+COARSE_TILE_LIMIT = 16384
+MIN_COARSE_BLOCKS_PER_RANK = 32
 
 
 def contiguous_cut_home(tiles: TileSet, world_size: int) -> np.ndarray:
@@ -54,35 +70,119 @@ def contiguous_cut_home(tiles: TileSet, world_size: int) -> np.ndarray:
     return runs_to_home(bounds, np.arange(world_size), nB)
 
 
+def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int,
+                      head_dim: int) -> np.ndarray:
+    """Across nodes, FCP packing (segments and pieces of long ones, LPT by compute with memory
+    capacity) so that every node gets its share of compute and memory and inter-node links carry
+    only the KV of documents split across nodes; inside a node, equal-token contiguous runs (cheap
+    NVLink traffic, rebalanced by the tile placement). One node: ``contiguous_cut_home``."""
+    rpn = cost_model.topology.ranks_per_node
+    if world_size <= rpn:
+        return contiguous_cut_home(tiles, world_size)
+    from .fcp import fcp_home
+
+    node_ranks = np.bincount(np.arange(world_size) // rpn)
+    node = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
+                    bin_ranks=node_ranks)
+    home = np.empty(tiles.num_blocks, dtype=np.int64)
+    for n, ranks in enumerate(node_ranks.tolist()):
+        blocks = np.flatnonzero(node == n)
+        runs = runs_to_home(balanced_bounds(blocks.size, ranks), np.arange(ranks), blocks.size)
+        home[blocks] = n * rpn + runs
+    return home
+
+
 def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
-        head_dim: int, element_size: int, max_stages: int, init: str = "contiguous", **_) -> Placement:
-    """DCP placement (see module docstring)."""
+        head_dim: int, element_size: int, max_stages: int, init: str | None = None, **_) -> Placement:
+    """DCP placement (see module docstring). ``init`` forces one initial data placement
+    ("contiguous", "hierarchical", "zigzag", "fcp"); by default the candidates of SINGLE_NODE_INITS /
+    MULTI_NODE_INITS are planned in turn and the fastest (simulated fwd + bwd time) is kept."""
+    factor = coarsening_factor(tiles, world_size)
+    if factor > 1:
+        coarse, of_fine = coarsen(tiles, factor)
+        plan = dcp(coarse, world_size, cost_model=cost_model, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim, element_size=element_size, max_stages=max_stages, init=init)
+        # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
+        # inputs, so they are home / received by that stage; the schedule is derived afresh.
+        return Placement(block_home=plan.block_home[np.arange(tiles.num_blocks) // factor],
+                         tile_rank=plan.tile_rank[of_fine], tile_stage=plan.tile_stage[of_fine])
+    sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size)
+    if init is not None:
+        inits = [init]
+    elif world_size <= cost_model.topology.ranks_per_node:
+        inits = list(SINGLE_NODE_INITS)
+    else:
+        inits = list(MULTI_NODE_INITS)
+    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
+    lower_bound = flops.sum() * (1 + cost_model.bwd_flops_factor) / (world_size * cost_model.fwd_rate)
+    best, best_time = None, np.inf
+    for name in inits:
+        placement, sim_time = _place(tiles, world_size, name, cost_model, max_stages, sizes)
+        if sim_time < best_time:
+            best, best_time = placement, sim_time
+        if best_time <= GOOD_ENOUGH * lower_bound:
+            break  # cannot gain more than a few percent: skip the other candidates
+    return best
+
+
+def coarsening_factor(tiles: TileSet, world_size: int) -> int:
+    """Power of two by which to merge blocks before planning (1: plan the real blocks)."""
+    factor = 1
+    while (tiles.num_tiles > COARSE_TILE_LIMIT * factor * factor
+           and tiles.num_blocks // (2 * factor) >= MIN_COARSE_BLOCKS_PER_RANK * world_size):
+        factor *= 2
+    return factor
+
+
+def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, num_q_heads: int,
+                  head_dim: int) -> np.ndarray:
+    if init == "contiguous":
+        return contiguous_cut_home(tiles, world_size)
+    if init == "hierarchical":
+        return hierarchical_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
+    if init == "zigzag":
+        from .baselines import zigzag_home
+
+        return zigzag_home(tiles.num_blocks, world_size)
     if init == "fcp":
         from .fcp import fcp_home
 
-        home = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
+        return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
+    raise ValueError(f"unknown dcp init {init!r}; choose contiguous, hierarchical, zigzag or fcp")
+
+
+def _place(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, max_stages: int,
+           sizes: dict) -> tuple[Placement, float]:
+    """One dcp placement from the given initial data placement, and its simulated fwd + bwd time."""
+    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
+    if init == "zigzag-ring":  # the zigzag baseline itself (ring stages), so dcp is never slower
+        from .baselines import zigzag
+
+        base = zigzag(tiles, world_size)
+        home, rank = base.block_home, base.tile_rank
+        stage, num_stages = compact_stages(base.tile_stage)
     else:
-        home = contiguous_cut_home(tiles, world_size)
-    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
-    rank = Balancer(tiles, home, flops / cost_model.fwd_rate, world_size, cost_model.topology,
-                    num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                    element_size=element_size).run()
-    stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
-                          total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,
-                          max_stages=max_stages, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                          head_dim=head_dim, element_size=element_size)
-    stage, num_stages = compact_stages(stage)
-    local = (home[tiles.q] == rank) & (home[tiles.kv] == rank)
-    sched = None
-    if num_stages > 1:
-        sched = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks,
-                                num_stages=num_stages, world_size=world_size)
-        table = sched.fwd.numpy().astype(np.int64)
+        home = _initial_home(tiles, world_size, init, cost_model, sizes["num_q_heads"], sizes["head_dim"])
+        rank = Balancer(tiles, home, flops / cost_model.fwd_rate, world_size, cost_model.topology, **sizes).run()
+        stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
+                              total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,
+                              max_stages=max_stages, **sizes)
+        stage, num_stages = compact_stages(stage)
+    sched = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks,
+                            num_stages=num_stages, world_size=world_size)
+    comm = {}
+    for direction in ("fwd", "bwd"):
+        table = sched.table(direction).numpy().astype(np.int64)
         block_len = np.minimum(tiles.block_size, tiles.total_len - table[:, 4] * tiles.block_size)
-        nbytes = payload_bytes(table[:, 3], block_len, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                               head_dim=head_dim, element_size=element_size)
-        comm = cost_model.stage_comm_time(table, nbytes, world_size, num_stages)
-        stage = spread_local_tiles(stage, flops, rank, local, comm, world_size=world_size,
+        nbytes = payload_bytes(table[:, 3], block_len, **sizes)
+        comm[direction] = cost_model.stage_comm_time(table, nbytes, world_size, num_stages)
+    if num_stages > 1:
+        local = (home[tiles.q] == rank) & (home[tiles.kv] == rank)
+        # moving local tiles between stages changes no transfer, so the schedule stays valid
+        stage = spread_local_tiles(stage, flops, rank, local, comm["fwd"], world_size=world_size,
                                    num_stages=num_stages, fwd_rate=cost_model.fwd_rate)
-    # moving local tiles between stages changes no transfer, so the schedule stays valid
-    return Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched)
+    compute = np.bincount(rank * num_stages + stage, weights=flops / cost_model.fwd_rate,
+                          minlength=world_size * num_stages).reshape(world_size, num_stages)
+    sim = (cost_model.overlapped_time(compute, comm["fwd"]).max()
+           + cost_model.overlapped_time(compute * cost_model.bwd_flops_factor, comm["bwd"]).max())
+    return Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched), float(sim)

@@ -43,17 +43,22 @@ def segments(tiles: TileSet) -> np.ndarray:
     return np.r_[0, cuts, tiles.num_blocks].astype(np.int64)
 
 
-def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, head_dim: int) -> np.ndarray:
-    """Home rank of every block (see module docstring, steps 1-3)."""
-    nB, P = tiles.num_blocks, world_size
+def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, head_dim: int,
+             bin_ranks: np.ndarray | None = None) -> np.ndarray:
+    """Bin of every block (see module docstring, steps 1-3). Bins are ranks by default; with
+    ``bin_ranks`` (ranks per bin, e.g. per node) bin i gets memory and compute in proportion."""
+    nB = tiles.num_blocks
+    weight = np.ones(world_size) if bin_ranks is None else np.asarray(bin_ranks, dtype=np.float64)
+    P = weight.size
     if P == 1 or nB == 0:
         return np.zeros(nB, dtype=np.int64)
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
     block_flops = np.bincount(tiles.q, weights=flops, minlength=nB)
     prefix = np.r_[0.0, np.cumsum(block_flops)]
-    cap = -(-nB // P)
-    piece = max(1, cap // PIECES_PER_RANK)
-    node = cost_model.topology.node_of(np.arange(P))
+    per_rank = -(-nB // int(weight.sum()))
+    cap = (per_rank * weight).astype(np.int64)
+    piece = max(1, per_rank // PIECES_PER_RANK)
+    node = cost_model.topology.node_of(np.arange(P)) if bin_ranks is None else np.arange(P)
     bounds = segments(tiles)
 
     # pieces as (start, end, segment); a heap ordered by compute (largest first), ties by start
@@ -66,13 +71,13 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
 
     home = np.empty(nB, dtype=np.int64)
     load = np.zeros(P)
-    room = np.full(P, cap, dtype=np.int64)
-    mean = prefix[-1] / P
+    room = cap.copy()
+    mean = prefix[-1] / weight.sum()
     seg_node, seg_ranks = {}, {}
     while heap:
         neg_cost, s, e, seg = heapq.heappop(heap)
         open_ranks = np.flatnonzero(room > 0)
-        r = int(open_ranks[np.argmin(load[open_ranks])])
+        r = int(open_ranks[np.argmin(load[open_ranks] / weight[open_ranks])])
         # Prefer ranks already holding this segment (their KV is local), then its node, when nearly
         # as idle as the least loaded rank: fewer, nearer KV transfers for the same balance.
         for affinity, near in ((SEGMENT_AFFINITY, seg_ranks.get(seg, ())), (NODE_AFFINITY, ())):
@@ -80,8 +85,8 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
                 near = open_ranks[node[open_ranks] == seg_node[seg]]
             near = np.array([x for x in near if room[x] > 0], dtype=np.int64) if not isinstance(near, np.ndarray) else near
             if near.size:
-                r_near = int(near[np.argmin(load[near])])
-                if load[r_near] <= load[r] + affinity * mean:
+                r_near = int(near[np.argmin(load[near] / weight[near])])
+                if load[r_near] / weight[r_near] <= load[r] / weight[r] + affinity * mean:
                     r = r_near
                     break
         take = min(e - s, int(room[r]))

@@ -38,7 +38,7 @@ def compact_stages(stage: np.ndarray) -> tuple[np.ndarray, int]:
     stage = np.asarray(stage, dtype=np.int64)
     if stage.size == 0:
         return stage, 1
-    used = np.unique(stage[stage > 0])
-    remap = np.zeros(int(stage.max()) + 1, dtype=np.int64)
-    remap[used] = np.arange(1, used.size + 1)
-    return remap[stage], int(used.size) + 1
+    used = np.bincount(stage) > 0
+    used[0] = False
+    remap = np.cumsum(used)  # stage 0 -> 0, the k-th used stage >= 1 -> k
+    return remap[stage], int(remap[-1]) + 1

@@ -40,7 +40,7 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
     kind = np.r_[np.full(int(remote_q.sum()), KIND_Q), np.full(int(remote_kv.sum()), KIND_KV)]
     block = np.r_[q[remote_q], kv[remote_kv]]
     item_key = (rank[tile_idx] * 2 + (kind == KIND_KV)) * nB + block
-    keys, item_of = np.unique(item_key, return_inverse=True)
+    keys, item_of = _dense_unique(item_key)
     item_rank = keys // (2 * nB)
     item_kind = np.where((keys // nB) % 2 == 1, KIND_KV, KIND_Q)
     item_block = keys % nB
@@ -90,6 +90,14 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
             begin, s = end, s + 1
 
     return _max_over_items(n, tile_idx, item_stage[item_of], remote_q, 0)
+
+
+def _dense_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_inverse=True)`` for small non-negative ints, by a presence table."""
+    present = np.zeros(int(keys.max()) + 1, dtype=bool)
+    present[keys] = True
+    index = np.cumsum(present) - 1
+    return np.flatnonzero(present), index[keys]
 
 
 def _max_over_items(n: int, tile_idx: np.ndarray, value: np.ndarray, remote_q: np.ndarray, fill: int) -> np.ndarray:

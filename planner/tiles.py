@@ -73,3 +73,23 @@ class TileSet:
         size = self.num_blocks + 2
         diff = np.bincount(lo + 1, minlength=size) - np.bincount(hi + 1, minlength=size)
         return np.cumsum(diff)[: self.num_blocks + 1]
+
+
+def coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
+    """Merge ``factor`` x ``factor`` blocks into one (block size ``factor * B``) for faster planning.
+
+    Returns the coarse TileSet (pairs summed; ``full`` only when every merged tile is full and all
+    ``factor**2`` exist) and, for every fine tile, the index of its coarse tile.
+    """
+    nbc = -(-tiles.num_blocks // factor)
+    key = (tiles.q // factor) * nbc + tiles.kv // factor
+    present = np.zeros(nbc * nbc, dtype=bool)
+    present[key] = True
+    index = np.cumsum(present) - 1
+    coarse_key = np.flatnonzero(present)
+    of_fine = index[key]
+    pairs = np.bincount(of_fine, weights=tiles.pairs, minlength=coarse_key.size).astype(np.int64)
+    n_full = np.bincount(of_fine, weights=tiles.full, minlength=coarse_key.size)
+    coarse = TileSet(total_len=tiles.total_len, block_size=tiles.block_size * factor, num_blocks=nbc,
+                     q=coarse_key // nbc, kv=coarse_key % nbc, full=n_full == factor * factor, pairs=pairs)
+    return coarse, of_fine

@@ -93,6 +93,15 @@ def test_plan_invariants(spec, world_size, block_size, strategy):
         assert max(lens) - min(lens) <= 2 * plan.block_size
 
 
+@SETTINGS
+@given(spec=masks(), world_size=st.integers(2, 9), ranks_per_node=st.integers(1, 3),
+       strategy=st.sampled_from(["dcp", "fcp"]))
+def test_multi_node_plan_invariants(spec, world_size, ranks_per_node, strategy):
+    # several nodes (also a partial last node): dcp tries all its initial placements here
+    plan = make_plan(spec, world_size, strategy=strategy, topology=Topology(ranks_per_node=ranks_per_node), **HEADS)
+    _check_invariants(spec, plan, world_size)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_world_size_64_and_multi_node(strategy):
     spec = MaskSpec.documents([1, 700, 33, 2000, 5, 900, 1])

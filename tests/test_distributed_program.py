@@ -1,0 +1,116 @@
+"""Properties of the per-rank programs the distributed executor derives from a Plan (no processes).
+
+For random masks, lengths, block sizes, world sizes and placements (the planner's strategies and random
+valid placements that move q-blocks too): every tile runs exactly once; each sender's message layout for
+(exchange, peer) equals the receiver's; per-rank planned bytes equal plan.stats(); every tile list entry
+addresses buffer rows that hold exactly the global tokens it claims; received blocks get disjoint rows.
+"""
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from test_distributed import random_plan
+
+from blockattn import MaskSpec
+from blockattn.comms import as_bytes, from_bytes
+from blockattn.distributed import RankProgram, build_rank_program
+from blockattn.planner import KIND_DKV, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, make_plan
+
+TO_HOME = (KIND_OUT, KIND_DQ, KIND_DKV)
+HEADS = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+
+
+@st.composite
+def plans(draw):
+    T = draw(st.integers(1, 220))
+    kind = draw(st.sampled_from(["causal", "documents", "window", "mod"]))
+    if kind == "causal":
+        spec = MaskSpec.causal(T)
+    elif kind == "window":
+        spec = MaskSpec.sliding_window(T, draw(st.integers(1, 64)))
+    elif kind == "mod":
+        spec = MaskSpec.from_mask_mod(lambda q, k: (k <= q) & ((q + 2 * k) % 5 != 0), T)
+    else:
+        cuts = sorted(set(draw(st.lists(st.integers(1, max(1, T - 1)), max_size=6)))) if T > 1 else []
+        bounds = [0] + [c for c in cuts if 0 < c < T] + [T]
+        spec = MaskSpec.documents([b - a for a, b in zip(bounds, bounds[1:])])
+    world = draw(st.integers(1, 6))
+    block = draw(st.sampled_from([16, 32]))
+    strategy = draw(st.sampled_from(["dcp", "fcp", "ring", "zigzag", "allgather", "random"]))
+    if strategy == "random":
+        plan = random_plan(spec, world, seed=draw(st.integers(0, 10_000)), block_size=block, **HEADS)
+    else:
+        plan = make_plan(spec, world, strategy=strategy, block_size=block, **HEADS)
+    return spec, plan
+
+
+def _token_of_rows(plan, prog: RankProgram, rank: int, buffer: str) -> torch.Tensor:
+    """Global token index held in each row of a rank's q or kv buffer (-1: never written)."""
+    B, T = plan.block_size, plan.total_len
+    rows = torch.full((prog.q_buf_rows if buffer == "q" else prog.kv_buf_rows,), -1, dtype=torch.int64)
+    rows[: prog.n_local] = plan.local_tokens(rank)
+    kind = KIND_Q if buffer == "q" else KIND_KV
+    for ex in prog.exchanges["fwd"]:
+        for secs in ex.recvs.values():
+            for sec in secs:
+                if sec.kind == kind:
+                    assert bool((rows[sec.rows] == -1).all()), "a received block overwrites rows already in use"
+                    starts = sec.blocks * B
+                    lens = (T - starts).clamp(max=B)
+                    rows[sec.rows] = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lens.tolist())])
+    return rows
+
+
+def _check_tiles(plan, tiles, work_rows, partner_rows) -> int:
+    """Each entry's buffer rows hold the tokens of its glob; returns the number of tiles in the list."""
+    B, T = plan.block_size, plan.total_len
+    entries = [(tiles.work_row, tiles.work_glob, work_rows), (tiles.full_row, tiles.full_glob, partner_rows),
+               (tiles.part_row, tiles.part_glob, partner_rows)]
+    for row, glob, buf in entries:
+        for r, g in zip(row.tolist(), glob.tolist()):
+            n = min(B, T - g)
+            assert torch.equal(buf[r : r + n], torch.arange(g, g + n)), f"rows {r}.. do not hold tokens {g}.."
+    return tiles.num_full + tiles.num_partial
+
+
+@given(plans())
+def test_rank_programs_agree_with_the_plan_and_each_other(case):
+    spec, plan = case
+    bm = spec.block_mask(plan.block_size)
+    P = plan.world_size
+    progs = [build_rank_program(plan, r, bm, torch.device("cpu")) for r in range(P)]
+    stats = plan.stats()
+    n_tiles = n_tiles_t = 0
+    for r, prog in enumerate(progs):
+        assert prog.n_local == plan.local_len(r)
+        q_rows, kv_rows = _token_of_rows(plan, prog, r, "q"), _token_of_rows(plan, prog, r, "kv")
+        for stage in prog.stages:
+            if stage.fwd_tiles is not None:
+                n_tiles += _check_tiles(plan, stage.fwd_tiles, q_rows, kv_rows)
+                n_tiles_t += _check_tiles(plan, stage.bwd_tiles_t, kv_rows, q_rows)
+        for direction in ("fwd", "bwd"):
+            assert prog.planned_bytes[direction] == stats[f"bytes_sent_{direction}"][r]
+            sent = sum(sum(ex.send_nbytes.values()) for ex in prog.exchanges[direction])
+            assert sent == prog.planned_bytes[direction]
+            for j, ex in enumerate(prog.exchanges[direction]):
+                for peer, secs in ex.sends.items():
+                    theirs = progs[peer].exchanges[direction][j]
+                    assert theirs.recv_nbytes[r] == ex.send_nbytes[peer]
+                    assert [(s.kind, s.blocks.tolist()) for s in secs] == \
+                           [(s.kind, s.blocks.tolist()) for s in theirs.recvs[r]]
+                    for mine, other in zip(secs, theirs.recvs[r]):
+                        assert mine.rows.numel() == other.rows.numel()
+                        if mine.kind in TO_HOME:  # partials land in the home's own rows
+                            assert bool((other.rows < progs[peer].n_local).all())
+                        else:  # inputs leave the home's own rows for gathered rows on the peer
+                            assert bool((mine.rows < prog.n_local).all())
+                            assert bool((other.rows >= progs[peer].n_local).all())
+    assert n_tiles == n_tiles_t == plan.tile_q.numel()
+
+
+@given(st.integers(0, 7), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.integers(1, 5))
+def test_from_bytes_reads_any_offset(offset, dtype, n):
+    x = torch.randn(n, 3).to(dtype)
+    buf = torch.cat([torch.zeros(offset, dtype=torch.uint8), as_bytes(x), torch.zeros(3, dtype=torch.uint8)])
+    assert torch.equal(from_bytes(buf, offset, (n, 3), dtype), x)
