@@ -1,6 +1,8 @@
 """blockattn: masked attention over packed variable-length sequences, split across GPUs by a per-batch plan."""
 
+from blockattn.attention import block_attention
 from blockattn.masks import MaskSpec
+from blockattn.planner import Plan, Topology, make_plan
 
-__all__ = ["MaskSpec"]
+__all__ = ["MaskSpec", "block_attention", "make_plan", "Plan", "Topology"]
 __version__ = "0.1.0"
