@@ -10,7 +10,7 @@ All gradients are written in fp32; rows past T are neither read nor written.
 import triton
 import triton.language as tl
 
-from .forward import _load_rows
+from .tile_io import load_partner, load_rows
 from .mask_tile import LOG2E, bits_mask, interval_mask, interval_mask_t, load_intervals, mma
 
 
@@ -63,8 +63,8 @@ def attention_bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    q = _load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
-    do = _load_rows(DOut, q_row0, offs_m, stride_dot, hq * stride_doh, offs_d, q_valid, EVEN_T)
+    q = load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
+    do = load_rows(DOut, q_row0, offs_m, stride_dot, hq * stride_doh, offs_d, q_valid, EVEN_T)
     lse2 = _load_lse2(Lse + hq.to(tl.int64) * stride_lh, q_row0, offs_m, q_valid)
     delta = tl.load(Delta + hq.to(tl.int64) * stride_lh + q_row0 + offs_m, mask=q_valid, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -75,11 +75,9 @@ def attention_bwd_dq_kernel(
     for it in range(start * N_SPLIT, end * N_SPLIT):
         j = it // N_SPLIT
         n0 = (it % N_SPLIT) * BLOCK_N
-        k_glob = tl.load(FullGlob + j) + n0 + offs_n
-        kv_row0 = (tl.load(FullRow + j) + n0).to(tl.int64)
-        k_valid = k_glob < T
-        k = _load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T)
-        v = _load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T)
+        k_glob, k_valid, k, v = load_partner(
+            K, V, FullGlob, FullRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T
+        )
         p = tl.math.exp2(mma(q, tl.trans(k), None, DOT_PREC) * qk_scale - lse2[:, None])
         dp = mma(do, tl.trans(v), None, DOT_PREC)
         ds = p * (dp - delta[:, None])
@@ -92,11 +90,9 @@ def attention_bwd_dq_kernel(
     for it in range(start * N_SPLIT, end * N_SPLIT):
         j = it // N_SPLIT
         n0 = (it % N_SPLIT) * BLOCK_N
-        k_glob = tl.load(PartGlob + j) + n0 + offs_n
-        kv_row0 = (tl.load(PartRow + j) + n0).to(tl.int64)
-        k_valid = k_glob < T
-        k = _load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T)
-        v = _load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T)
+        k_glob, k_valid, k, v = load_partner(
+            K, V, PartGlob, PartRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T
+        )
         if HAS_BITS:
             tile_bits = tl.load(PartBits + j)
             keep = bits_mask(Bits, tile_bits, m_rel, n0 + offs_n, BLOCK, False)
@@ -140,8 +136,8 @@ def attention_bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    k = _load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T)
-    v = _load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T)
+    k = load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T)
+    v = load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     full_start = tl.load(FullPtr + w)
@@ -157,11 +153,10 @@ def attention_bwd_dkdv_kernel(
         for it in range(full_start * M_SPLIT, full_end * M_SPLIT):
             j = it // M_SPLIT
             m0 = (it % M_SPLIT) * BLOCK_M
-            q_glob = tl.load(FullGlob + j) + m0 + offs_m
             q_row0 = (tl.load(FullRow + j) + m0).to(tl.int64)
-            q_valid = q_glob < T
-            q = _load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
-            do = _load_rows(DOut, q_row0, offs_m, stride_dot, hq * stride_doh, offs_d, q_valid, EVEN_T)
+            q_glob, q_valid, q, do = load_partner(
+                Q, DOut, FullGlob, FullRow, j, m0, offs_m, stride_qt, hq * stride_qh, stride_dot, hq * stride_doh, offs_d, T, EVEN_T
+            )
             lse2 = _load_lse2(lse_h, q_row0, offs_m, q_valid)
             delta = tl.load(delta_h + q_row0 + offs_m, mask=q_valid, other=0.0)
             pt = tl.math.exp2(mma(k, tl.trans(q), None, DOT_PREC) * qk_scale - lse2[None, :])
@@ -172,11 +167,10 @@ def attention_bwd_dkdv_kernel(
         for it in range(part_start * M_SPLIT, part_end * M_SPLIT):
             j = it // M_SPLIT
             m0 = (it % M_SPLIT) * BLOCK_M
-            q_glob = tl.load(PartGlob + j) + m0 + offs_m
             q_row0 = (tl.load(PartRow + j) + m0).to(tl.int64)
-            q_valid = q_glob < T
-            q = _load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
-            do = _load_rows(DOut, q_row0, offs_m, stride_dot, hq * stride_doh, offs_d, q_valid, EVEN_T)
+            q_glob, q_valid, q, do = load_partner(
+                Q, DOut, PartGlob, PartRow, j, m0, offs_m, stride_qt, hq * stride_qh, stride_dot, hq * stride_doh, offs_d, T, EVEN_T
+            )
             lse2 = _load_lse2(lse_h, q_row0, offs_m, q_valid)
             delta = tl.load(delta_h + q_row0 + offs_m, mask=q_valid, other=0.0)
             if HAS_BITS:

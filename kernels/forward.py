@@ -13,16 +13,7 @@ import triton
 import triton.language as tl
 
 from .mask_tile import LN2, LOG2E, bits_mask, interval_mask, load_intervals, mma, softmax_step
-
-
-@triton.jit
-def _load_rows(Ptr, row0, offs_r, stride_t, col0, offs_d, valid, EVEN: tl.constexpr):
-    """Load [len(offs_r), D] at buffer rows row0 + offs_r of one head; rows past T read as 0."""
-    # int64 scalar base + int32 tile offsets: 64-bit pointer math per element would cost registers
-    ptrs = Ptr + row0 * stride_t + col0 + (offs_r[:, None] * stride_t + offs_d[None, :])
-    if EVEN:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=valid[:, None], other=0.0)
+from .tile_io import load_partner, load_rows
 
 
 @triton.jit
@@ -52,7 +43,7 @@ def attention_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    q = _load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
+    q = load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -63,11 +54,9 @@ def attention_fwd_kernel(
     for it in range(start * N_SPLIT, end * N_SPLIT):
         j = it // N_SPLIT
         n0 = (it % N_SPLIT) * BLOCK_N
-        k_glob = tl.load(FullGlob + j) + n0 + offs_n
-        kv_row0 = (tl.load(FullRow + j) + n0).to(tl.int64)
-        k_valid = k_glob < T
-        k = _load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T)
-        v = _load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T)
+        k_glob, k_valid, k, v = load_partner(
+            K, V, FullGlob, FullRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T
+        )
         s2 = mma(q, tl.trans(k), None, DOT_PREC) * qk_scale
         if not EVEN_T:
             s2 = tl.where(k_valid[None, :], s2, float("-inf"))
@@ -82,11 +71,9 @@ def attention_fwd_kernel(
         for it in range(start * N_SPLIT, end * N_SPLIT):
             j = it // N_SPLIT
             n0 = (it % N_SPLIT) * BLOCK_N
-            k_glob = tl.load(PartGlob + j) + n0 + offs_n
-            kv_row0 = (tl.load(PartRow + j) + n0).to(tl.int64)
-            k_valid = k_glob < T
-            k = _load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T)
-            v = _load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T)
+            k_glob, k_valid, k, v = load_partner(
+                K, V, PartGlob, PartRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T
+            )
             s2 = mma(q, tl.trans(k), None, DOT_PREC) * qk_scale
             if HAS_BITS:
                 tile_bits = tl.load(PartBits + j)
@@ -108,7 +95,7 @@ def attention_fwd_kernel(
         # fused merge with the given partial (O0, LSE0), folded in after the loops so that it adds
         # no live registers to them; an empty side (LSE = -inf) has weight 0 whatever its O holds
         lse0 = tl.load(l_ptrs, mask=q_valid, other=float("-inf"))
-        o0 = _load_rows(Out, q_row0, offs_m, stride_ot, hq * stride_oh, offs_d, q_valid, EVEN_T).to(tl.float32)
+        o0 = load_rows(Out, q_row0, offs_m, stride_ot, hq * stride_oh, offs_d, q_valid, EVEN_T).to(tl.float32)
         m_tot = tl.maximum(lse, lse0)
         m_shift = tl.where(m_tot == float("-inf"), 0.0, m_tot)
         w0 = tl.math.exp2((lse0 - m_shift) * LOG2E)

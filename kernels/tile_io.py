@@ -1,0 +1,29 @@
+"""Triton helpers that load tiles of rows from THD buffers.
+
+Notation (docs/design.md): a block's rows sit at buffer rows ``row0 + offs`` (``row`` = buffer row) and
+global tokens ``glob + offs``; rows whose global index is >= T (the ragged last block) read as zeros.
+``EVEN`` (T a multiple of the sub-tile) drops the load masks altogether.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_rows(Ptr, row0, offs_r, stride_t, col0, offs_d, valid, EVEN: tl.constexpr):
+    """Load [len(offs_r), D] at buffer rows row0 + offs_r of one head; rows past T read as 0."""
+    # int64 scalar base + int32 tile offsets: 64-bit pointer math per element would cost registers
+    ptrs = Ptr + row0 * stride_t + col0 + (offs_r[:, None] * stride_t + offs_d[None, :])
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def load_partner(A, B, Glob, Row, j, sub0, offs, stride_a, col_a, stride_b, col_b, offs_d, T, EVEN: tl.constexpr):
+    """Rows sub0 + offs of partner block j from two buffers (K and V, or Q and dO): (glob, valid, a, b)."""
+    glob = tl.load(Glob + j) + sub0 + offs
+    row0 = (tl.load(Row + j) + sub0).to(tl.int64)
+    valid = glob < T
+    a = load_rows(A, row0, offs, stride_a, col_a, offs_d, valid, EVEN)
+    b = load_rows(B, row0, offs, stride_b, col_b, offs_d, valid, EVEN)
+    return glob, valid, a, b
