@@ -10,7 +10,7 @@ All gradients are written in fp32; rows past T are neither read nor written.
 import triton
 import triton.language as tl
 
-from .tile_io import load_partner, load_rows
+from .tile_io import load_partner, load_rows, locate_work_rows
 from .mask_tile import LOG2E, bits_mask, interval_mask, interval_mask_t, load_intervals, mma
 
 
@@ -51,15 +51,10 @@ def attention_bwd_dq_kernel(
 ):
     M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
-    pid = tl.program_id(0) // num_heads  # heads fastest (shared K/V tiles in L2)
-    hq = tl.program_id(0) % num_heads
-    hk = hq // GROUP
-    w = tl.load(WorkOrder + pid // M_SPLIT)
-    m_rel = (pid % M_SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_glob = tl.load(WorkGlob + w) + m_rel
-    offs_m = tl.arange(0, BLOCK_M)
-    q_row0 = (tl.load(WorkRow + w) + (pid % M_SPLIT) * BLOCK_M).to(tl.int64)
-    q_valid = q_glob < T
+    # heads vary fastest across programs (shared K/V tiles in L2)
+    hq, hk, w, m_rel, offs_m, q_glob, q_row0, q_valid = locate_work_rows(
+        WorkOrder, WorkGlob, WorkRow, T, num_heads, GROUP, M_SPLIT, BLOCK_M
+    )
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .mask_tile import LN2, LOG2E, bits_mask, interval_mask, load_intervals, mma, softmax_step
-from .tile_io import load_partner, load_rows
+from .tile_io import load_partner, load_rows, locate_work_rows
 
 
 @triton.jit
@@ -31,15 +31,9 @@ def attention_fwd_kernel(
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
     # heads vary fastest across programs: the GROUP q heads of one kv head run together and share
     # each K/V tile through L2
-    pid = tl.program_id(0) // num_heads
-    hq = tl.program_id(0) % num_heads
-    hk = hq // GROUP
-    w = tl.load(WorkOrder + pid // M_SPLIT)
-    m_rel = (pid % M_SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_glob = tl.load(WorkGlob + w) + m_rel
-    offs_m = tl.arange(0, BLOCK_M)
-    q_row0 = (tl.load(WorkRow + w) + (pid % M_SPLIT) * BLOCK_M).to(tl.int64)
-    q_valid = q_glob < T
+    hq, hk, w, m_rel, offs_m, q_glob, q_row0, q_valid = locate_work_rows(
+        WorkOrder, WorkGlob, WorkRow, T, num_heads, GROUP, M_SPLIT, BLOCK_M
+    )
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
 

@@ -27,3 +27,18 @@ def load_partner(A, B, Glob, Row, j, sub0, offs, stride_a, col_a, stride_b, col_
     a = load_rows(A, row0, offs, stride_a, col_a, offs_d, valid, EVEN)
     b = load_rows(B, row0, offs, stride_b, col_b, offs_d, valid, EVEN)
     return glob, valid, a, b
+
+
+@triton.jit
+def locate_work_rows(WorkOrder, WorkGlob, WorkRow, T, num_heads, GROUP: tl.constexpr, M_SPLIT: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+    """Program id -> (hq, hk, work block w, m_rel, offs_m, q_glob, q_row0, q_valid) of a q-major program."""
+    pid = tl.program_id(0) // num_heads
+    hq = tl.program_id(0) % num_heads
+    hk = hq // GROUP
+    w = tl.load(WorkOrder + pid // M_SPLIT)
+    m_rel = (pid % M_SPLIT) * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_glob = tl.load(WorkGlob + w) + m_rel
+    offs_m = tl.arange(0, BLOCK_M)
+    q_row0 = (tl.load(WorkRow + w) + (pid % M_SPLIT) * BLOCK_M).to(tl.int64)
+    return hq, hk, w, m_rel, offs_m, q_glob, q_row0, q_glob < T
