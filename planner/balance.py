@@ -42,6 +42,7 @@ class Balancer:
         self.t, self.home, self.c, self.P, self.nB = tiles, home, compute, P, nB
         self.node = topology.node_of(np.arange(P))
         self.bw = np.array([topology.intra_bw, topology.inter_bw])
+        self.multi_node = bool(self.node.max() > 0)
         lens = tiles.block_lengths()
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size)
         self.q_bytes = payload_bytes(KIND_Q, lens, **sizes).astype(np.float64)
@@ -76,7 +77,8 @@ class Balancer:
             grid[dst, kv] = True
             dst, kv = np.nonzero(grid)
         else:
-            key = np.unique(dst * self.nB + kv)
+            key = np.sort(dst * self.nB + kv)
+            key = key[np.r_[True, key[1:] != key[:-1]]] if key.size else key
             dst, kv = key // self.nB, key % self.nB
         self.have_kv[dst, kv] = True
         src, link = self.home[kv], self._link(self.home[kv], dst)
@@ -87,9 +89,18 @@ class Balancer:
         return max(self.C[r], float(((self.send[r] + self.recv[r]) / self.bw).max()))
 
     def _comm(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
-        """[k] comm time from [k, 2] cumulative send / recv bytes. Sends and receives are added, not
+        """[k] comm time from [k, links] cumulative send / recv bytes. Sends and receives are added, not
         overlapped: a moved row's Q leaves before the compute and its OUT returns after it."""
-        return ((send + recv) / self.bw).max(axis=1)
+        return ((send + recv) / self.bw[: send.shape[1]]).max(axis=1)
+
+    def _per_link(self, flags: np.ndarray, nbytes: np.ndarray, link: np.ndarray) -> np.ndarray:
+        """[k, links] cumulative bytes of the flagged entries, split by link (one column on one node)."""
+        moved = np.where(flags, nbytes, 0.0)
+        if not self.multi_node:
+            return np.cumsum(moved)[:, None]
+        out = np.zeros((flags.size, 2))
+        out[np.arange(flags.size), link] = moved
+        return np.cumsum(out, axis=0)
 
     # ------------------------------------------------------------------ moves
     def try_move(self, cand: np.ndarray, r: int, t: int) -> bool:
@@ -110,20 +121,16 @@ class Balancer:
         new_out = first_q & (hq != t) & ~self.has_out[t, q]
         new_kv = _first_occurrence(kv, self._scratch) & ~self.have_kv[t, kv]
         lq, lkv = self._link(hq, t), self._link(hkv, t)
-
-        def per_link(flags, nbytes, link):
-            out = np.zeros((flags.size, 2))
-            out[np.arange(flags.size), link] = np.where(flags, nbytes, 0.0)
-            return np.cumsum(out, axis=0)
-
-        q_in = per_link(new_q, self.q_bytes[q], lq)
-        kv_in = per_link(new_kv, self.kv_bytes[kv], lkv)
-        out_back = per_link(new_out, self.out_bytes[q], lq)
+        q_bytes, out_bytes = self.q_bytes[q], self.out_bytes[q]
         own_q = hq == r
-        r_send = self.send[r] + per_link(new_q & own_q, self.q_bytes[q], lq)
-        r_recv = self.recv[r] + per_link(new_out & own_q, self.out_bytes[q], lq)
-        t_send = self.send[t] + out_back
-        t_recv = self.recv[t] + q_in + kv_in
+        q_in = self._per_link(new_q, q_bytes, lq)
+        kv_in = self._per_link(new_kv, self.kv_bytes[kv], lkv)
+        out_back = self._per_link(new_out, out_bytes, lq)
+        links = self.send.shape[1] if self.multi_node else 1  # one node: only the NVLink column moves
+        r_send = self.send[r, :links] + self._per_link(new_q & own_q, q_bytes, lq)
+        r_recv = self.recv[r, :links] + self._per_link(new_out & own_q, out_bytes, lq)
+        t_send = self.send[t, :links] + out_back
+        t_recv = self.recv[t, :links] + q_in + kv_in
         time_t = np.maximum(self.C[t] + cum_c, self._comm(t_send, t_recv))
         obj = np.maximum(np.maximum(self.C[r] - cum_c, self._comm(r_send, r_recv)), time_t)
         # never turn the target into a new straggler: its time stays within the cap
@@ -140,7 +147,7 @@ class Balancer:
         self.C[r] -= self.c[idx].sum()
         self.C[t] += self.c[idx].sum()
         self.rank[idx] = t
-        uq = np.unique(q)
+        uq = _distinct(q, self._scratch)
         new_q = uq[~self.have_q[t, uq]]
         link = self._link(self.home[new_q], t)
         np.add.at(self.send, (self.home[new_q], link), self.q_bytes[new_q])
@@ -152,6 +159,10 @@ class Balancer:
         np.add.at(self.recv, (self.home[out_q], link), self.out_bytes[out_q])
         self.has_out[t, out_q] = True
         self._add_kv(np.full(kv.size, t), kv)
+
+    def _target_order(self, ranks: np.ndarray, r: int) -> np.ndarray:
+        """Indices of the first MAX_TARGETS_PER_DONOR of ``ranks``: same node as r first, then least loaded."""
+        return np.lexsort((self.C[ranks], self.node[ranks] != self.node[r]))[:MAX_TARGETS_PER_DONOR]
 
     # ------------------------------------------------------------------ driver
     def run(self) -> np.ndarray:
@@ -185,12 +196,15 @@ class Balancer:
         """Rows of r's tiles to kv-homes under the mean (only Q + OUT move), largest rows first."""
         q, kv = self.t.q[mine], self.t.kv[mine]
         kv_home = self.home[kv]
-        row_c = np.bincount(q, weights=self.c[mine])
-        order = np.lexsort((kv, q, -row_c[q]))
+        row_c = np.bincount(q, weights=self.c[mine], minlength=self.nB)
+        # rows by decreasing compute (ties: lower q), tiles of a row by kv: one int64 key sort
+        row_rank = np.empty(self.nB, dtype=np.int64)
+        row_rank[np.argsort(-row_c, kind="stable")] = np.arange(self.nB)
+        order = np.argsort(row_rank[q] * self.nB + kv)
         mine_rows, kv_home_rows = mine[order], kv_home[order]
-        homes = np.unique(kv_home)
+        homes = np.flatnonzero(np.bincount(kv_home, minlength=self.P))
         homes = homes[(homes != r) & (self.C[homes] < self.mean)]
-        homes = homes[np.lexsort((self.C[homes], self.node[homes] != self.node[r]))][:MAX_TARGETS_PER_DONOR]
+        homes = homes[self._target_order(homes, r)]
         for t in homes.tolist():
             if self.C[r] <= self.cap:
                 return
@@ -201,13 +215,14 @@ class Balancer:
         """Rectangles of r's tiles to the least loaded ranks, same node first. A failed move means
         more loaded targets of the same class (same node / other node) would fail too."""
         under = np.flatnonzero(self.C < self.mean)
-        targets = under[np.lexsort((self.C[under], self.node[under] != self.node[r]))][:MAX_TARGETS_PER_DONOR]
+        targets = under[self._target_order(under, r)]
         if targets.size == 0 or mine.size == 0:
             return
         n = max(1.0, (self.C[r] - self.mean) / targets.size / self.c.mean())
         q_cost = self.q_bytes.max() + self.out_bytes.max()
         width = int(max(1, round(np.sqrt(n * q_cost / self.kv_bytes.max()))))
-        rect = mine[np.lexsort((self.t.kv[mine], self.t.q[mine], self.t.kv[mine] // width))]
+        q, kv = self.t.q[mine], self.t.kv[mine]
+        rect = mine[np.argsort(((kv // width) * self.nB + q) * self.nB + kv)]
         failed_class = set()
         for t in targets.tolist():
             if self.C[r] <= self.cap:
@@ -225,6 +240,11 @@ def _argsort_small_ints(values: np.ndarray) -> np.ndarray:
     if values.size and values.max() < 2**15:
         values = values.astype(np.int16)
     return np.argsort(values, kind="stable")
+
+
+def _distinct(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """Distinct values (indices of ``scratch``) in order of first occurrence; O(k), no sort."""
+    return values[_first_occurrence(values, scratch)]
 
 
 def _first_occurrence(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:

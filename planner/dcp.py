@@ -49,6 +49,11 @@ GOOD_ENOUGH = 1.05
 # Large batches are planned on merged blocks (2x2, 4x4, ... tiles) while that keeps >= 32 merged
 # blocks per rank (memory balance within ~3%); the result is mapped back to the real blocks.
 COARSE_TILE_LIMIT = 16384
+# Several candidates: ranked on 2x-merged blocks first (>= 32 merged blocks per rank, batches of
+# >= 2048 tiles), and only the best SELECT_KEEP are planned at full resolution.
+SELECT_MIN_TILES = 2048
+SELECT_MIN_BLOCKS_PER_RANK = 32
+SELECT_KEEP = 2
 MIN_COARSE_BLOCKS_PER_RANK = 32
 
 
@@ -113,16 +118,42 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         inits = list(SINGLE_NODE_INITS)
     else:
         inits = list(MULTI_NODE_INITS)
-    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
-    lower_bound = flops.sum() * (1 + cost_model.bwd_flops_factor) / (world_size * cost_model.fwd_rate)
+    if len(inits) > len(SINGLE_NODE_INITS):
+        inits = _preselect(tiles, world_size, inits, cost_model, max_stages, sizes)
     best, best_time = None, np.inf
     for name in inits:
         placement, sim_time = _place(tiles, world_size, name, cost_model, max_stages, sizes)
         if sim_time < best_time:
             best, best_time = placement, sim_time
-        if best_time <= GOOD_ENOUGH * lower_bound:
+        if best_time <= GOOD_ENOUGH * _lower_bound(tiles, world_size, cost_model, sizes):
             break  # cannot gain more than a few percent: skip the other candidates
     return best
+
+
+def _lower_bound(tiles: TileSet, world_size: int, cost_model: CostModel, sizes: dict) -> float:
+    """Forward + backward time of perfectly balanced compute with fully hidden communication."""
+    flops = float(tiles.pairs.sum()) * cost_model.tile_flops(1, num_q_heads=sizes["num_q_heads"],
+                                                             head_dim=sizes["head_dim"])
+    return flops * (1 + cost_model.bwd_flops_factor) / (world_size * cost_model.fwd_rate)
+
+
+def _preselect(tiles: TileSet, world_size: int, inits: list, cost_model: CostModel, max_stages: int,
+               sizes: dict) -> list:
+    """Rank the candidate initial placements on a 2x-merged copy of the batch (a quarter of the
+    tiles) and keep the best SELECT_KEEP: the full-resolution plan is then built for those only.
+    The ranking of candidates is stable under merging, their absolute times are not (measured in
+    bench/bench_planner.py), so the choice among the survivors is still made at full resolution."""
+    if (tiles.num_tiles < SELECT_MIN_TILES
+            or tiles.num_blocks // 2 < SELECT_MIN_BLOCKS_PER_RANK * world_size):
+        return inits
+    coarse, _ = coarsen(tiles, 2)
+    lower_bound = _lower_bound(coarse, world_size, cost_model, sizes)
+    scored = []
+    for name in inits:
+        scored.append((_place(coarse, world_size, name, cost_model, max_stages, sizes)[1], len(scored), name))
+        if scored[-1][0] <= GOOD_ENOUGH * lower_bound:
+            break
+    return [name for _t, _i, name in sorted(scored)[:SELECT_KEEP]]
 
 
 def coarsening_factor(tiles: TileSet, world_size: int) -> int:

@@ -73,31 +73,39 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     load = np.zeros(P)
     room = cap.copy()
     mean = prefix[-1] / weight.sum()
+    # load per unit of weight, +inf once a bin is full: the least loaded open bin is one argmin
+    ratio = np.where(room > 0, 0.0, np.inf)
+    members = {int(n): np.flatnonzero(node == n) for n in np.unique(node)}
     seg_node, seg_ranks = {}, {}
     while heap:
         neg_cost, s, e, seg = heapq.heappop(heap)
-        open_ranks = np.flatnonzero(room > 0)
-        r = int(open_ranks[np.argmin(load[open_ranks] / weight[open_ranks])])
+        r = int(np.argmin(ratio))
         # Prefer ranks already holding this segment (their KV is local), then its node, when nearly
         # as idle as the least loaded rank: fewer, nearer KV transfers for the same balance.
-        for affinity, near in ((SEGMENT_AFFINITY, seg_ranks.get(seg, ())), (NODE_AFFINITY, ())):
-            if affinity is NODE_AFFINITY and seg in seg_node:
-                near = open_ranks[node[open_ranks] == seg_node[seg]]
-            near = np.array([x for x in near if room[x] > 0], dtype=np.int64) if not isinstance(near, np.ndarray) else near
-            if near.size:
-                r_near = int(near[np.argmin(load[near] / weight[near])])
-                if load[r_near] / weight[r_near] <= load[r] / weight[r] + affinity * mean:
-                    r = r_near
-                    break
+        held = [x for x in seg_ranks.get(seg, ()) if room[x] > 0]
+        for affinity, r_near in ((SEGMENT_AFFINITY, min(held, key=ratio.__getitem__) if held else None),
+                                 (NODE_AFFINITY, _least(ratio, members.get(seg_node.get(seg, -1))))):
+            if r_near is not None and ratio[r_near] <= ratio[r] + affinity * mean:
+                r = r_near
+                break
         take = min(e - s, int(room[r]))
         home[s : s + take] = r
         room[r] -= take
         load[r] += prefix[s + take] - prefix[s]
+        ratio[r] = load[r] / weight[r] if room[r] > 0 else np.inf
         seg_node.setdefault(seg, int(node[r]))
         seg_ranks.setdefault(seg, []).append(r)
         if s + take < e:
             heapq.heappush(heap, (-(prefix[e] - prefix[s + take]), s + take, e, seg))
     return home
+
+
+def _least(ratio: np.ndarray, ranks: np.ndarray | None) -> int | None:
+    """The open rank of ``ranks`` with the lowest ratio (first on ties), None if all are full."""
+    if ranks is None:
+        return None
+    i = int(np.argmin(ratio[ranks]))
+    return int(ranks[i]) if np.isfinite(ratio[ranks[i]]) else None
 
 
 def fcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,

@@ -10,12 +10,18 @@ same rows for their (stage, peer) in the same sequence.
 Rules (the executor and ``Plan.stats()`` both follow exactly these rows):
 
 * Q / KV (forward): a rank receives each remote block its tiles read, once, in the first stage
-  that needs it; the source is always the block's home (no relaying).
+  that needs it. Q always comes from the block's home; KV comes from the home unless the plan's
+  relay table ``kv_relay`` (rows ``(block, dst, src)``, planner/relay.py) names another source,
+  which must hold the block strictly before that stage (home, or received in an earlier stage).
 * OUT: one partial (out, lse) per remote q-block the rank computed tiles of, sent to the home at
   ``last compute stage + 1`` (may equal ``num_stages``).
 * DO (backward): dO + lse + delta of such a q-block, home -> rank, at its first compute stage.
 * DQ / DKV (backward): fp32 partial gradients of remote q-blocks / kv-blocks back to the home at
   ``last compute stage + 1``. Q/KV received in the forward are kept, never re-fetched.
+* DKV reduce tree (mirror of a relay): a rank that got KV b from a *proxy* p (p got b from the home)
+  sends its dK/dV partial to p instead, at ``last + 1``, when that leaves p room to forward the sum:
+  p sends to the home at ``max(last_p + 1, max over such children (last_child + 2))`` <= num_stages.
+  A child whose ``last + 2`` exceeds num_stages (or whose source is not a proxy) sends home.
 """
 
 from __future__ import annotations
@@ -47,19 +53,20 @@ def payload_bytes(kind, block_len, *, num_q_heads: int, num_kv_heads: int, head_
     """
     kind = np.asarray(kind, dtype=np.int64)
     rows = np.asarray(block_len, dtype=np.int64)
-    q_elems = rows * num_q_heads * head_dim
-    kv_elems = 2 * rows * num_kv_heads * head_dim
-    kind, rows = np.broadcast_arrays(kind, rows)
+    q_tok = num_q_heads * head_dim
+    kv_tok = 2 * num_kv_heads * head_dim
     act = element_size
-    per_kind = [
-        q_elems * act,  # Q
-        kv_elems * act,  # KV
-        q_elems * act + rows * num_q_heads * 4,  # OUT: out + lse
-        q_elems * act + 2 * rows * num_q_heads * 4,  # DO: dout + lse + delta
-        q_elems * 4,  # DQ
-        kv_elems * 4,  # DKV
-    ]
-    return np.select([kind == k for k in range(6)], [np.broadcast_to(v, kind.shape) for v in per_kind], -1)
+    # every payload is linear in the token count: bytes per token of each kind, -1 for an unknown kind
+    per_token = np.array([
+        q_tok * act,  # Q
+        kv_tok * act,  # KV
+        q_tok * act + num_q_heads * 4,  # OUT: out + lse
+        q_tok * act + 2 * num_q_heads * 4,  # DO: dout + lse + delta
+        q_tok * 4,  # DQ
+        kv_tok * 4,  # DKV
+    ], dtype=np.int64)
+    valid = (kind >= 0) & (kind < per_token.size)
+    return np.where(valid, per_token[np.where(valid, kind, 0)] * rows, -1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,9 +152,22 @@ def _sorted_table(parts: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(table[order]).astype(np.int32))
 
 
+def as_relay_table(kv_relay) -> np.ndarray:
+    """int64 [m, 3] ``(block, dst, src)`` rows of a relay table (None or empty: no relays)."""
+    if kv_relay is None:
+        return np.zeros((0, 3), dtype=np.int64)
+    arr = np.asarray(kv_relay.numpy() if isinstance(kv_relay, torch.Tensor) else kv_relay, dtype=np.int64)
+    if arr.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise ValueError(f"kv_relay must be [m, 3] rows (block, dst, src), got shape {tuple(arr.shape)}")
+    return arr
+
+
 def derive_schedule(block_home, tile_q, tile_kv, tile_rank, tile_stage, *, num_blocks: int,
-                    num_stages: int, world_size: int) -> CommSchedule:
-    """Build the CommSchedule of a placement (numpy or torch int inputs)."""
+                    num_stages: int, world_size: int, kv_relay=None) -> CommSchedule:
+    """Build the CommSchedule of a placement (numpy or torch int inputs); ``kv_relay`` rows
+    ``(block, dst, src)`` make ``dst`` receive KV ``block`` from ``src`` (see the module docstring)."""
     home = np.asarray(block_home, dtype=np.int64)
     q = np.asarray(tile_q, dtype=np.int64)
     kv = np.asarray(tile_kv, dtype=np.int64)
@@ -163,8 +183,9 @@ def derive_schedule(block_home, tile_q, tile_kv, tile_rank, tile_stage, *, num_b
 
     remote_kv = home[kv] != rank
     r, b, first, last = _groups(rank[remote_kv], kv[remote_kv], stage[remote_kv], num_blocks)
-    kv_in = _rows(first, home[b], r, KIND_KV, b)
-    d_kv = _rows(last + 1, r, home[b], KIND_DKV, b)
+    src, dkv_dst, dkv_stage = _kv_routes(home, r, b, last, as_relay_table(kv_relay), num_blocks, num_stages)
+    kv_in = _rows(first, src, r, KIND_KV, b)
+    d_kv = _rows(dkv_stage, r, dkv_dst, KIND_DKV, b)
 
     return CommSchedule(
         fwd=_sorted_table([q_in, kv_in, out]),
@@ -174,15 +195,44 @@ def derive_schedule(block_home, tile_q, tile_kv, tile_rank, tile_stage, *, num_b
     )
 
 
+def _kv_routes(home, r, b, last, relay, num_blocks: int, num_stages: int):
+    """KV source, DKV destination and DKV stage of every (rank r, kv-block b) receive group.
+
+    Groups are sorted by ``r * nB + b`` (``_groups``), so relay rows are matched by binary search;
+    rows naming no group are ignored here (check_plan rejects such tables).
+    """
+    src, dkv_dst, dkv_stage = home[b], home[b].copy(), last + 1
+    if relay.shape[0] == 0 or r.size == 0:
+        return src, dkv_dst, dkv_stage
+    group_key = r * num_blocks + b
+    pos = np.minimum(np.searchsorted(group_key, relay[:, 1] * num_blocks + relay[:, 0]), group_key.size - 1)
+    hit = group_key[pos] == relay[:, 1] * num_blocks + relay[:, 0]
+    src = src.copy()
+    src[pos[hit]] = relay[hit, 2]
+    # DKV: a child of a proxy (the proxy itself got b from home) reduces into the proxy when the
+    # proxy can still forward the sum: child arrives at last + 1, proxy sends at >= last + 2 <= S.
+    child = np.flatnonzero(src != home[b])
+    parent_key = src[child] * num_blocks + b[child]
+    ppos = np.minimum(np.searchsorted(group_key, parent_key), group_key.size - 1)
+    ok = (group_key[ppos] == parent_key) & (last[child] + 2 <= num_stages)
+    ok[ok] = src[ppos[ok]] == home[b[child[ok]]]  # one hop: the parent must be a proxy
+    child, ppos = child[ok], ppos[ok]
+    dkv_dst[child] = src[child]
+    np.maximum.at(dkv_stage, ppos, last[child] + 2)
+    return src, dkv_dst, dkv_stage
+
+
 def check_plan(plan) -> None:
     """Raise PlanConsistencyError unless ``plan`` is internally consistent:
 
     homes and local blocks agree (every block on exactly one rank, local order ascending); tiles are
-    unique and sorted; stage-0 tiles read only home blocks; the schedule equals the one derived from
-    the placement; every tile's q and kv block is on its rank by its stage (home, or received at a
-    stage <= the tile's); nothing is received twice or without use; every transfer's source/target
-    is the block's home; and for every (stage, src, dst) the sender's view of the rows equals the
-    receiver's view, in the same order.
+    unique and sorted; stage-0 tiles read only home blocks; every tile's q and kv block is on its
+    rank by its stage (home, or received at a stage <= the tile's); nothing is received twice; Q,
+    OUT, DO and DQ go between the block's home and the tile rank; a KV transfer comes from the
+    home or from a rank that received the block in a strictly earlier stage (``kv_relay`` lists
+    exactly those); DKV partials form chains that end at the home with strictly increasing stages;
+    the schedule equals the one derived from the placement and relay table; and for every
+    (stage, src, dst) the sender's view of the rows equals the receiver's view, in the same order.
     """
     P, nB, S = plan.world_size, plan.num_blocks, plan.num_stages
 
@@ -214,11 +264,6 @@ def check_plan(plan) -> None:
     if np.any((stage == 0) & ~at_home):
         fail("a stage-0 tile reads a block its rank does not own")
 
-    derived = derive_schedule(home, q, kv, rank, stage, num_blocks=nB, num_stages=S, world_size=P)
-    for direction in ("fwd", "bwd"):
-        if not torch.equal(derived.table(direction), plan.schedule.table(direction)):
-            fail(f"{direction} schedule differs from the one derived from the placement")
-
     fwd = plan.schedule.fwd.numpy().astype(np.int64)
     bwd = plan.schedule.bwd.numpy().astype(np.int64)
     for name, t in (("fwd", fwd), ("bwd", bwd)):
@@ -229,8 +274,8 @@ def check_plan(plan) -> None:
     incoming = np.isin(fwd[:, 3], (KIND_Q, KIND_KV))
     if np.any(fwd[incoming, 0] == 0):
         fail("a forward input transfer in stage 0")
-    if np.any(fwd[incoming, 1] != home[fwd[incoming, 4]]):
-        fail("an input transfer does not come from the block's home")
+    if np.any((fwd[:, 3] == KIND_Q) & (fwd[:, 1] != home[fwd[:, 4]])):
+        fail("a Q transfer does not come from the block's home (only KV may be relayed)")
     if np.any(fwd[~incoming, 2] != home[fwd[~incoming, 4]]):
         fail("an OUT partial does not go to the block's home")
 
@@ -240,15 +285,65 @@ def check_plan(plan) -> None:
         fail("a block is received twice by the same rank")
     order = np.argsort(recv_key)
     recv_key, recv_stage = recv_key[order], fwd[incoming, 0][order]
+
+    def received_at(key: np.ndarray) -> np.ndarray:
+        """Stage in which each (rank * 2 + kind) * nB + block key is received, -1 if never."""
+        if recv_key.size == 0:
+            return np.full(key.size, -1, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(recv_key, key), recv_key.size - 1)
+        return np.where(recv_key[pos] == key, recv_stage[pos], -1)
+
     for kind, block in ((KIND_Q, q), (KIND_KV, kv)):
         remote = home[block] != rank
-        need = (rank[remote] * 2 + kind) * nB + block[remote]
-        pos = np.searchsorted(recv_key, need)
-        found = (pos < recv_key.size) & (recv_key[np.minimum(pos, recv_key.size - 1)] == need)
-        if not np.all(found):
+        got = received_at((rank[remote] * 2 + kind) * nB + block[remote])
+        if np.any(got < 0):
             fail(f"a tile's {KIND_NAMES[kind]} block never reaches its rank")
-        if np.any(recv_stage[pos] > stage[remote]):
+        if np.any(got > stage[remote]):
             fail(f"a tile's {KIND_NAMES[kind]} block arrives after the tile's stage")
+
+    # Relayed KV: the source holds the block strictly before it forwards it (the exchange of stage s
+    # is posted before stage s - 1 computes, so only blocks received by stage s - 1 can go out).
+    kv_rows = fwd[fwd[:, 3] == KIND_KV]
+    relayed = kv_rows[kv_rows[:, 1] != home[kv_rows[:, 4]]]
+    held = received_at((relayed[:, 1] * 2 + KIND_KV) * nB + relayed[:, 4])
+    if np.any((held < 0) | (held >= relayed[:, 0])):
+        i = int(np.flatnonzero((held < 0) | (held >= relayed[:, 0]))[0])
+        fail(f"rank {relayed[i, 1]} relays KV block {relayed[i, 4]} in stage {relayed[i, 0]} but holds it "
+             f"{'never' if held[i] < 0 else f'only from stage {held[i]}'}")
+    relay = as_relay_table(getattr(plan, "kv_relay", None))
+    relay_key = relay[:, 0] * P + relay[:, 1]
+    if relay_key.size and (np.any(np.diff(relay_key) <= 0) or np.any(relay[:, 2] == home[relay[:, 0]])):
+        fail("kv_relay rows must be unique, sorted by (block, dst) and name a source other than the home")
+    if relay.shape[0] != relayed.shape[0]:
+        fail(f"kv_relay has {relay.shape[0]} rows but the schedule relays {relayed.shape[0]} KV transfers")
+
+    # Backward: DO from and DQ to the home; DKV partials travel along chains that end at the home,
+    # each hop to a rank that forwards the block's partial in a strictly later stage.
+    if np.any((bwd[:, 3] == KIND_DO) & (bwd[:, 1] != home[bwd[:, 4]])):
+        fail("a DO transfer does not come from the block's home")
+    if np.any((bwd[:, 3] == KIND_DQ) & (bwd[:, 2] != home[bwd[:, 4]])):
+        fail("a DQ partial does not go to the block's home")
+    dkv = bwd[bwd[:, 3] == KIND_DKV]
+    send_key = dkv[:, 1] * nB + dkv[:, 4]
+    order = np.argsort(send_key)
+    send_key, send_stage = send_key[order], dkv[order, 0]
+    if send_key.size and np.any(np.diff(send_key) == 0):
+        fail("a rank sends its DKV partial of a block twice")
+    hop = dkv[dkv[:, 2] != home[dkv[:, 4]]]
+    if hop.shape[0]:
+        key = hop[:, 2] * nB + hop[:, 4]
+        pos = np.minimum(np.searchsorted(send_key, key), send_key.size - 1)
+        later = (send_key[pos] == key) & (send_stage[pos] > hop[:, 0])
+        if not np.all(later):
+            i = int(np.flatnonzero(~later)[0])
+            fail(f"rank {hop[i, 1]} sends its DKV partial of block {hop[i, 4]} to rank {hop[i, 2]} in stage "
+                 f"{hop[i, 0]}, which does not forward it in a later stage (a chain must end at the home "
+                 f"with increasing stages)")
+
+    derived = derive_schedule(home, q, kv, rank, stage, num_blocks=nB, num_stages=S, world_size=P, kv_relay=relay)
+    for direction in ("fwd", "bwd"):
+        if not torch.equal(derived.table(direction), plan.schedule.table(direction)):
+            fail(f"{direction} schedule differs from the one derived from the placement")
 
     # Per-rank views, as the executor reads them: every row appears exactly once among the senders'
     # views and once among the receivers' views, and a (src, dst) pair lists the same rows, in the

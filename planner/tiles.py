@@ -82,14 +82,27 @@ def coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
     ``factor**2`` exist) and, for every fine tile, the index of its coarse tile.
     """
     nbc = -(-tiles.num_blocks // factor)
-    key = (tiles.q // factor) * nbc + tiles.kv // factor
-    present = np.zeros(nbc * nbc, dtype=bool)
-    present[key] = True
+    qc, kc = tiles.q // factor, tiles.kv // factor
+    # Dense presence table over each coarse row's kv span only (tiles are sorted by q, so a coarse
+    # row is one contiguous run): sized like the band of the mask, not nbc**2.
+    starts = np.flatnonzero(np.r_[True, qc[1:] != qc[:-1]]) if qc.size else np.zeros(0, dtype=np.int64)
+    lo = np.zeros(nbc, dtype=np.int64)
+    width = np.zeros(nbc, dtype=np.int64)
+    if qc.size:
+        rows = qc[starts]
+        lo[rows] = np.minimum.reduceat(kc, starts)
+        width[rows] = np.maximum.reduceat(kc, starts) - lo[rows] + 1
+    offset = np.cumsum(width) - width
+    slot = offset[qc] + kc - lo[qc]
+    present = np.zeros(int(width.sum()), dtype=bool)
+    present[slot] = True
     index = np.cumsum(present) - 1
-    coarse_key = np.flatnonzero(present)
-    of_fine = index[key]
-    pairs = np.bincount(of_fine, weights=tiles.pairs, minlength=coarse_key.size).astype(np.int64)
-    n_full = np.bincount(of_fine, weights=tiles.full, minlength=coarse_key.size)
+    slots = np.flatnonzero(present)
+    of_fine = index[slot]
+    slot_row = np.repeat(np.arange(nbc), width)[slots]
+    coarse_q, coarse_kv = slot_row, lo[slot_row] + slots - offset[slot_row]
+    pairs = np.bincount(of_fine, weights=tiles.pairs, minlength=slots.size).astype(np.int64)
+    n_full = np.bincount(of_fine, weights=tiles.full, minlength=slots.size)
     coarse = TileSet(total_len=tiles.total_len, block_size=tiles.block_size * factor, num_blocks=nbc,
-                     q=coarse_key // nbc, kv=coarse_key % nbc, full=n_full == factor * factor, pairs=pairs)
+                     q=coarse_q, kv=coarse_kv, full=n_full == factor * factor, pairs=pairs)
     return coarse, of_fine
