@@ -43,7 +43,7 @@ from .tiles import TileSet, coarsen
 CUT_SLACK = 0.03  # a run boundary may move by up to 3% of a run to find a cheaper cut
 # Initial data placements tried, in order of how often each won in bench/bench_planner.py runs; the
 # first plan within GOOD_ENOUGH of the lower bound (fwd + bwd) is kept without trying the rest.
-SINGLE_NODE_INITS = ("contiguous", "fcp")
+SINGLE_NODE_INITS = ("fcp", "contiguous")
 MULTI_NODE_INITS = ("hierarchical", "zigzag", "fcp", "contiguous", "zigzag-ring")
 GOOD_ENOUGH = 1.05
 # Large batches are planned on merged blocks (2x2, 4x4, ... tiles) while that keeps >= 32 merged

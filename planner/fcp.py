@@ -33,7 +33,9 @@ from .tiles import TileSet
 SEGMENT_CUT = 2  # a boundary crossed by at most this many tiles separates two segments
 PIECES_PER_RANK = 4  # long segments are cut into pieces of cap / 4 blocks
 SEGMENT_AFFINITY = 0.25  # a rank already holding the segment is preferred within 25% of M of the least loaded
-NODE_AFFINITY = 0.10  # else a rank on the segment's node is preferred within 10% of M
+NODE_AFFINITY = 0.10
+PAIR_SLACK = 0.1  # zigzag pairs are used when the heaviest is within 10% of the segment's mean piece
+SPLIT_SLACK = 0.1  # a segment up to 10% heavier than a rank's share stays on one rank (the balancer trims it)  # else a rank on the segment's node is preferred within 10% of M
 
 
 def segments(tiles: TileSet) -> np.ndarray:
@@ -60,25 +62,39 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     piece = max(1, per_rank // PIECES_PER_RANK)
     node = cost_model.topology.node_of(np.arange(P)) if bin_ranks is None else np.arange(P)
     bounds = segments(tiles)
+    mean = prefix[-1] / weight.sum()
+    bin_w = float(weight.max())  # a bin's share: bin_w ranks' worth of compute and memory
 
-    # pieces as (start, end, segment); a heap ordered by compute (largest first), ties by start
+    # Pieces as (cost, start, end, segment, start2, end2). A segment heavier than a rank's share of
+    # compute (or longer than its memory) is spread over k ranks: cut into 2k chunks, chunk i paired
+    # with chunk 2k-1-i (zigzag inside the document), so a causal document's k pieces carry equal
+    # compute and each needs only the KV before its two chunks. Other long segments are cut into
+    # plain pieces that pack flexibly.
     heap = []
     for seg, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+        k = max(int(np.ceil((prefix[b] - prefix[a]) / (mean * bin_w) - SPLIT_SLACK)), -(-(b - a) // int(cap.max())))
+        if bin_ranks is None and k >= 2 and b - a >= 2 * k:  # node bins: plain pieces keep windows whole
+            cuts = np.linspace(a, b, 2 * k + 1).round().astype(np.int64)
+            pairs = [(int(cuts[i]), int(cuts[i + 1]), int(cuts[2 * k - 1 - i]), int(cuts[2 * k - i])) for i in range(k)]
+            cost = [prefix[e1] - prefix[s1] + prefix[e2] - prefix[s2] for s1, e1, s2, e2 in pairs]
+            # only where pairing evens the pieces out (causal-like rows that grow along the segment)
+            if max(cost) <= (1 + PAIR_SLACK) * (prefix[b] - prefix[a]) / k:
+                heap.extend((-c, s1, e1, seg, s2, e2) for c, (s1, e1, s2, e2) in zip(cost, pairs))
+                continue
         for s in range(a, b, piece):
             e = min(b, s + piece)
-            heap.append((-(prefix[e] - prefix[s]), s, e, seg))
+            heap.append((-(prefix[e] - prefix[s]), s, e, seg, e, e))
     heapq.heapify(heap)
 
     home = np.empty(nB, dtype=np.int64)
     load = np.zeros(P)
     room = cap.copy()
-    mean = prefix[-1] / weight.sum()
     # load per unit of weight, +inf once a bin is full: the least loaded open bin is one argmin
     ratio = np.where(room > 0, 0.0, np.inf)
     members = {int(n): np.flatnonzero(node == n) for n in np.unique(node)}
     seg_node, seg_ranks = {}, {}
     while heap:
-        neg_cost, s, e, seg = heapq.heappop(heap)
+        neg_cost, s, e, seg, s2, e2 = heapq.heappop(heap)
         r = int(np.argmin(ratio))
         # Prefer ranks already holding this segment (their KV is local), then its node, when nearly
         # as idle as the least loaded rank: fewer, nearer KV transfers for the same balance.
@@ -88,15 +104,21 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
             if r_near is not None and ratio[r_near] <= ratio[r] + affinity * mean:
                 r = r_near
                 break
+        if e2 > s2 and (e - s) + (e2 - s2) > room[r]:
+            # a pair that does not fit: place its two chunks independently
+            for a, b in ((s, e), (s2, e2)):
+                heapq.heappush(heap, (-(prefix[b] - prefix[a]), a, b, seg, b, b))
+            continue
         take = min(e - s, int(room[r]))
         home[s : s + take] = r
-        room[r] -= take
-        load[r] += prefix[s + take] - prefix[s]
+        home[s2:e2] = r
+        room[r] -= take + (e2 - s2)
+        load[r] += prefix[s + take] - prefix[s] + prefix[e2] - prefix[s2]
         ratio[r] = load[r] / weight[r] if room[r] > 0 else np.inf
         seg_node.setdefault(seg, int(node[r]))
         seg_ranks.setdefault(seg, []).append(r)
         if s + take < e:
-            heapq.heappush(heap, (-(prefix[e] - prefix[s + take]), s + take, e, seg))
+            heapq.heappush(heap, (-(prefix[e] - prefix[s + take]), s + take, e, seg, e, e))
     return home
 
 
