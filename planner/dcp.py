@@ -21,10 +21,12 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
    behind the previous stage's compute; purely local tiles are then spread into later stages where
    a rank's transfers (e.g. OUT partials returning to a donor) would otherwise be exposed.
 
-No initial placement dominates (measured over the benchmark batches: on one node "contiguous" or
-"fcp" win, on several nodes any of the four), so dcp plans the candidates in turn and keeps the
-one with the lowest simulated forward + backward time, stopping early once a plan is within 5% of
-the lower bound. On several nodes the plain zigzag baseline ("zigzag-ring") is a candidate too, so
+No initial placement dominates (measured over the benchmark batches: on one node "fcp" and
+"contiguous" reach the same time, fcp with 40-60% fewer bytes on Wikipedia batches, more on long
+documents; on several nodes any of the five wins somewhere), so dcp plans the candidates in turn
+and keeps the one with the lowest simulated forward + backward time, stopping early once a plan
+is within 5% of the lower bound. With more than two candidates they are first ranked on 2x-merged
+blocks and only the best two are planned at full resolution. On several nodes the plain zigzag baseline ("zigzag-ring") is a candidate too, so
 dcp is never slower than it in the cost model. Batches with many tiles are planned on merged
 blocks (``coarsen``) and mapped back, which keeps planning time near-linear in the batch.
 """

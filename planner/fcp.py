@@ -6,9 +6,12 @@ Notation (docs/design.md): nB blocks, P ranks, tile (qb, kb); M = mean per-rank 
 1. Segments: the block sequence is cut wherever at most ``SEGMENT_CUT`` tiles cross a boundary -
    packed documents (and groups of short documents sharing blocks) become independent segments,
    each with a token count and a compute weight (FLOPs of the tiles of its q-blocks).
-2. Pieces: a segment larger than ``cap / PIECES_PER_RANK`` blocks is cut into pieces of that size,
-   so a long document is spread over a group of ranks whose size follows from its cost and length
-   (any size, not a power of two) - FCP's flexible groups.
+2. Pieces: a segment heavier than one rank's share of compute (or longer than its memory) gets a
+   group of k ranks, k = what its compute and length need (any size, not a power of two) - FCP's
+   flexible groups. It is cut into 2k chunks and chunk i is paired with chunk 2k-1-i (zigzag
+   inside the document) when that evens the pieces out (rows that grow along a causal document),
+   so each group member gets equal compute and reads only the KV before its chunks. Other
+   segments longer than ``cap / PIECES_PER_RANK`` blocks are cut into pieces of that size.
 3. Packing (polynomial, LPT with capacity): pieces by decreasing compute, each to the least loaded
    rank that still has memory room (a piece larger than the room is split and the rest re-queued);
    pieces of an already placed segment prefer that segment's node when it is nearly as idle.
