@@ -148,3 +148,21 @@ def test_large_batches_are_planned_on_merged_blocks_and_stay_exact():
     # one merged block (4 blocks) of granularity plus the 3% cut slack
     assert s["compute_imbalance"] <= 1.05 and s["memory_imbalance"] <= 1.06
     assert s["sim_time_fwd"] <= 1.15 * s["lower_bound_fwd"], plan.explain()
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 6])
+def test_fcp_splits_a_heavy_document_into_zigzag_pairs(world_size):
+    # one causal document carrying most of the compute plus short ones: fcp gives it a group of
+    # ranks, each holding a head and a tail chunk, so compute balances with KV-only traffic
+    docs = [6144] + [256] * 8
+    spec = MaskSpec.documents(docs)
+    plan = make_plan(spec, world_size, strategy="fcp", block_size=64, topology=FAST, **HEADS)
+    stats = plan.stats()
+    assert stats["memory_imbalance"] <= 1.1, plan.explain()
+    assert stats["compute_imbalance"] <= 1.05, plan.explain()
+    assert stats["transfers"]["Q"] == 0 and stats["transfers"]["OUT"] == 0
+    zigzag = make_plan(spec, world_size, strategy="zigzag", block_size=64, topology=FAST, **HEADS).stats()
+    assert stats["compute_imbalance"] < zigzag["compute_imbalance"]
+    # the document's first and last blocks (the lightest and the heaviest row) share a rank
+    home = plan.block_home.numpy()
+    assert home[0] == home[6144 // 64 - 1], home[: 6144 // 64]
