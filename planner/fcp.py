@@ -25,6 +25,7 @@ Notation (docs/design.md): nB blocks, P ranks, tile (qb, kb); M = mean per-rank 
 from __future__ import annotations
 
 import heapq
+import math
 
 import numpy as np
 
@@ -90,47 +91,46 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     heapq.heapify(heap)
 
     home = np.empty(nB, dtype=np.int64)
-    load = np.zeros(P)
-    room = cap.copy()
-    # load per unit of weight, +inf once a bin is full: the least loaded open bin is one argmin
-    ratio = np.where(room > 0, 0.0, np.inf)
-    members = {int(n): np.flatnonzero(node == n) for n in np.unique(node)}
+    # Plain Python lists: the loop touches one rank per piece, and for P <= a few hundred a list
+    # min beats a numpy call. ratio = load per unit of weight, +inf once a bin is full.
+    weights = weight.tolist()
+    load = [0.0] * P
+    room = cap.tolist()
+    ratio = [0.0 if x > 0 else math.inf for x in room]
+    ranks = range(P)
+    members = {n: [x for x in ranks if node[x] == n] for n in set(node.tolist())}
+    node_of = node.tolist()
+    cost = prefix.tolist()
     seg_node, seg_ranks = {}, {}
     while heap:
         neg_cost, s, e, seg, s2, e2 = heapq.heappop(heap)
-        r = int(np.argmin(ratio))
+        r = min(ranks, key=ratio.__getitem__)
         # Prefer ranks already holding this segment (their KV is local), then its node, when nearly
         # as idle as the least loaded rank: fewer, nearer KV transfers for the same balance.
-        held = [x for x in seg_ranks.get(seg, ()) if room[x] > 0]
-        for affinity, r_near in ((SEGMENT_AFFINITY, min(held, key=ratio.__getitem__) if held else None),
-                                 (NODE_AFFINITY, _least(ratio, members.get(seg_node.get(seg, -1))))):
-            if r_near is not None and ratio[r_near] <= ratio[r] + affinity * mean:
-                r = r_near
-                break
+        for affinity, near in ((SEGMENT_AFFINITY, seg_ranks.get(seg, ())),
+                               (NODE_AFFINITY, members.get(seg_node.get(seg, -1), ()))):
+            open_near = [x for x in near if room[x] > 0]
+            if open_near:
+                r_near = min(open_near, key=ratio.__getitem__)
+                if ratio[r_near] <= ratio[r] + affinity * mean:
+                    r = r_near
+                    break
         if e2 > s2 and (e - s) + (e2 - s2) > room[r]:
             # a pair that does not fit: place its two chunks independently
             for a, b in ((s, e), (s2, e2)):
-                heapq.heappush(heap, (-(prefix[b] - prefix[a]), a, b, seg, b, b))
+                heapq.heappush(heap, (-(cost[b] - cost[a]), a, b, seg, b, b))
             continue
-        take = min(e - s, int(room[r]))
+        take = min(e - s, room[r])
         home[s : s + take] = r
         home[s2:e2] = r
         room[r] -= take + (e2 - s2)
-        load[r] += prefix[s + take] - prefix[s] + prefix[e2] - prefix[s2]
-        ratio[r] = load[r] / weight[r] if room[r] > 0 else np.inf
-        seg_node.setdefault(seg, int(node[r]))
+        load[r] += cost[s + take] - cost[s] + cost[e2] - cost[s2]
+        ratio[r] = load[r] / weights[r] if room[r] > 0 else math.inf
+        seg_node.setdefault(seg, node_of[r])
         seg_ranks.setdefault(seg, []).append(r)
         if s + take < e:
-            heapq.heappush(heap, (-(prefix[e] - prefix[s + take]), s + take, e, seg, e, e))
+            heapq.heappush(heap, (-(cost[e] - cost[s + take]), s + take, e, seg, e, e))
     return home
-
-
-def _least(ratio: np.ndarray, ranks: np.ndarray | None) -> int | None:
-    """The open rank of ``ranks`` with the lowest ratio (first on ties), None if all are full."""
-    if ranks is None:
-        return None
-    i = int(np.argmin(ratio[ranks]))
-    return int(ranks[i]) if np.isfinite(ratio[ranks[i]]) else None
 
 
 def fcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
