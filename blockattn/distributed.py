@@ -12,6 +12,11 @@ schedule stage is last-compute-stage + 1 = j). It is posted before the compute o
 j + 1's inputs travel while stage j computes, and waited right after that compute. Every payload of
 one (exchange, src, dst) travels as one packed message, sections in schedule row order.
 
+Relays (planner/relay.py): a KV row's source may be a rank that received the block in an earlier
+exchange; it sends from its kv buffer rows. Mirrored, a DKV row's destination may be that relay: the
+partial is summed into the relay's dK/dV rows of the block when its exchange completes, and the
+relay's own DKV row leaves in a later exchange, packed (at post time) after every child's arrival.
+
 Forward: out/lse accumulate per q-block with the fused ``accumulate=True`` kernel; partial
 (out, lse) of q-blocks owned elsewhere go home and fold into the home's running state with the
 backend's merge as they arrive. Backward: the home computes delta = rowsum(dO * O) (minus dLSE when
@@ -198,7 +203,7 @@ def build_rank_program(plan, me: int, bm, device: torch.device) -> RankProgram:
     for direction, table in (("fwd", fwd), ("bwd", bwd)):
         _check_stages(plan, direction, table)
         exchanges[direction] = tuple(
-            _exchange(table, direction, j, me, q_row, kv_row, local_start, local, lens, dims, device)
+            _exchange(table, direction, j, me, q_row, kv_row, lens, dims, device)
             for j in range(S + 1))
         planned[direction] = sum(
             _payload_bytes(int(k), int(lens[b]), *dims) for k, b in table[table[:, 1] == me][:, 3:5].tolist())
@@ -217,13 +222,11 @@ def _check_stages(plan, direction: str, table: torch.Tensor) -> None:
                          f"outside the executor's range (inputs 1..{S - 1}, results 1..{S})")
 
 
-def _exchange(table, direction, j, me, q_row, kv_row, local_start, local, lens, dims, device) -> _Exchange:
+def _exchange(table, direction, j, me, q_row, kv_row, lens, dims, device) -> _Exchange:
     """Exchange j of `direction`: inputs of stage j + 1 and results of stage j, as sections per peer."""
     is_input = torch.isin(table[:, 3], torch.tensor(_INPUT_KINDS[direction]))
     in_ex = (is_input & (table[:, 0] == j + 1)) | (~is_input & (table[:, 0] == j))
     rows = table[in_ex & ((table[:, 1] == me) | (table[:, 2] == me))]
-    home_row = torch.full_like(q_row, -1)
-    home_row[local] = local_start
     sends, recvs, recv_nbytes, send_nbytes = {}, {}, {}, {}
     for sending in (True, False):
         side = rows[rows[:, 1] == me] if sending else rows[rows[:, 2] == me]
@@ -236,13 +239,11 @@ def _exchange(table, direction, j, me, q_row, kv_row, local_start, local, lens, 
             for key in torch.unique_consecutive(group_key).tolist():
                 blocks = msg[group_key == key][:, 4]
                 kind = key % 8
-                # Which buffer a kind lives in on this side: home side uses local rows, the tile-rank side
-                # uses the gathered rows (q buffer for Q/OUT/DO/DQ, kv buffer for KV/DKV).
-                at_home = (kind in (KIND_Q, KIND_KV, KIND_DO)) == sending
-                if at_home:
-                    starts = home_row[blocks]
-                else:
-                    starts = (kv_row if kind in (KIND_KV, KIND_DKV) else q_row)[blocks]
+                # q buffer for Q/OUT/DO/DQ, kv buffer for KV/DKV. Local blocks sit at their local rows
+                # (q_row[local] == kv_row[local] == local_start), received ones at their gathered rows,
+                # so one lookup serves the home, the tile rank and a relay (which forwards received KV
+                # and sums its children's DKV partials into its own rows of the block) alike.
+                starts = (kv_row if kind in (KIND_KV, KIND_DKV) else q_row)[blocks]
                 if bool((starts < 0).any()):
                     raise ValueError(f"{direction} exchange {j}: rank {me} has no buffer row for "
                                      f"{KIND_NAMES[kind]} blocks {blocks[starts < 0].tolist()}")

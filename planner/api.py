@@ -16,7 +16,7 @@ from . import baselines, dcp, fcp
 from .cost_model import CostModel, Topology
 from .placement import Placement, compact_stages
 from .plan import Plan
-from .schedule import check_plan, derive_schedule
+from .schedule import as_relay_table, check_plan, derive_schedule
 from .tiles import TileSet
 
 DEFAULT_BLOCK_SIZE = 128
@@ -125,14 +125,16 @@ def clear_plan_cache() -> None:
 def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_size: int, num_q_heads: int,
                num_kv_heads: int, head_dim: int, dtype: torch.dtype, mask_signature: str,
                cost_model: CostModel) -> Plan:
-    """Turn a strategy's Placement into a Plan (stages compacted, schedule derived)."""
+    """Turn a strategy's Placement into a Plan (stages compacted, schedule derived with its relays)."""
     home = np.asarray(placement.block_home, dtype=np.int64)
     rank = np.asarray(placement.tile_rank, dtype=np.int64)
     stage, num_stages = compact_stages(placement.tile_stage)
+    relay = as_relay_table(placement.kv_relay)
     schedule = placement.schedule
     if schedule is None or schedule.num_stages != num_stages or not np.array_equal(stage, placement.tile_stage):
+        # compaction renumbers stages monotonically, so a relay's "held strictly before" still holds
         schedule = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks,
-                                   num_stages=num_stages, world_size=world_size)
+                                   num_stages=num_stages, world_size=world_size, kv_relay=relay)
     as32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
     order = np.argsort(home, kind="stable")
     counts = np.bincount(home, minlength=world_size)
@@ -143,4 +145,4 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
         dtype=dtype, mask_signature=mask_signature, block_home=as32(home), local_blocks=local,
         tile_q=as32(tiles.q), tile_kv=as32(tiles.kv), tile_full=torch.from_numpy(tiles.full.copy()),
         tile_rank=as32(rank), tile_stage=as32(stage), num_stages=num_stages, schedule=schedule,
-        tile_pairs=torch.from_numpy(tiles.pairs.astype(np.int64)), cost_model=cost_model)
+        tile_pairs=torch.from_numpy(tiles.pairs.astype(np.int64)), cost_model=cost_model, kv_relay=as32(relay))

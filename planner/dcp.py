@@ -20,14 +20,17 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
    compute they unlock per transfer second and cut into <= ``max_stages`` stages, each sized to hide
    behind the previous stage's compute; purely local tiles are then spread into later stages where
    a rank's transfers (e.g. OUT partials returning to a donor) would otherwise be exposed.
+4. Relays (planner/relay.py, several nodes only): a KV block read by several ranks of a remote
+   node crosses the inter-node link once, to a proxy on that node that forwards it over NVLink,
+   and their dK/dV partials are summed on the way back; kept only where the cost model says so.
 
 No initial placement dominates (measured over the benchmark batches: on one node "fcp" and
 "contiguous" reach the same time, fcp with 40-60% fewer bytes on Wikipedia batches, more on long
 documents; on several nodes any of the five wins somewhere), so dcp plans the candidates in turn
 and keeps the one with the lowest simulated forward + backward time, stopping early once a plan
 is within 5% of the lower bound. With more than two candidates they are first ranked on 2x-merged
-blocks and only the best two are planned at full resolution. On several nodes the plain zigzag baseline ("zigzag-ring") is a candidate too, so
-dcp is never slower than it in the cost model. Batches with many tiles are planned on merged
+blocks and only the best two are planned at full resolution. On several nodes the plain zigzag
+baseline ("zigzag-ring") is a candidate too, so dcp is never slower than it in the cost model. Batches with many tiles are planned on merged
 blocks (``coarsen``) and mapped back, which keeps planning time near-linear in the batch.
 """
 
@@ -38,6 +41,7 @@ import numpy as np
 from .balance import Balancer
 from .cost_model import CostModel
 from .placement import Placement, balanced_bounds, compact_stages, runs_to_home
+from .relay import add_relays
 from .schedule import derive_schedule, payload_bytes
 from .stages import assign_stages, spread_local_tiles
 from .tiles import TileSet, coarsen
@@ -111,8 +115,12 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
                    head_dim=head_dim, element_size=element_size, max_stages=max_stages, init=init)
         # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
         # inputs, so they are home / received by that stage; the schedule is derived afresh.
-        return Placement(block_home=plan.block_home[np.arange(tiles.num_blocks) // factor],
+        fine = Placement(block_home=plan.block_home[np.arange(tiles.num_blocks) // factor],
                          tile_rank=plan.tile_rank[of_fine], tile_stage=plan.tile_stage[of_fine])
+        # relays found on merged blocks do not carry over (the fine schedule is derived afresh)
+        return add_relays(tiles, fine, world_size=world_size, cost_model=cost_model, max_stages=max_stages,
+                          sizes=dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                     element_size=element_size))
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size)
     if init is not None:
         inits = [init]
@@ -218,4 +226,8 @@ def _place(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, ma
                           minlength=world_size * num_stages).reshape(world_size, num_stages)
     sim = (cost_model.overlapped_time(compute, comm["fwd"]).max()
            + cost_model.overlapped_time(compute * cost_model.bwd_flops_factor, comm["bwd"]).max())
-    return Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched), float(sim)
+    placement = Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched, sim_time=float(sim))
+    # several nodes: hot KV blocks cross each inter-node link once and fan out over NVLink
+    placement = add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
+                           max_stages=max_stages, sizes=sizes)
+    return placement, placement.sim_time

@@ -18,6 +18,8 @@ class Placement:
     tile_rank: np.ndarray  # int64 [ntiles]
     tile_stage: np.ndarray  # int64 [ntiles]
     schedule: object = None  # CommSchedule already derived for exactly these arrays (stages compact)
+    kv_relay: np.ndarray | None = None  # int64 [m, 3] (block, dst, src) KV relays (planner/relay.py)
+    sim_time: float | None = None  # simulated fwd + bwd time (cost model), when the maker scored it
 
 
 def balanced_bounds(num_blocks: int, parts: int) -> np.ndarray:

@@ -43,6 +43,8 @@ class Plan:
     schedule: CommSchedule
     tile_pairs: torch.Tensor  # int64 [ntiles] unmasked (q, k) pairs (FLOPs = 4*D*Hq*pairs)
     cost_model: CostModel = field(default_factory=CostModel)
+    # int32 [m, 3] rows (block, dst, src): dst receives KV `block` from src, not the home (planner/relay.py)
+    kv_relay: torch.Tensor = field(default_factory=lambda: torch.zeros((0, 3), dtype=torch.int32))
 
     # ------------------------------------------------------------------ tokens and tensors
     @property
@@ -145,6 +147,8 @@ class Plan:
         h.update(repr(scalars).encode())
         tensors = [self.block_home, self.tile_q, self.tile_kv, self.tile_full, self.tile_rank, self.tile_stage,
                    self.tile_pairs, self.schedule.fwd, self.schedule.bwd, *self.local_blocks]
+        if self.kv_relay.numel():  # only when relays exist, so relay-free plans keep their fingerprints
+            tensors.append(self.kv_relay)
         for t in tensors:
             arr = np.ascontiguousarray(t.numpy())
             h.update(f"{arr.dtype.str}{arr.shape}".encode())
@@ -189,13 +193,15 @@ class Plan:
             for k in kinds:
                 counts[KIND_NAMES[k]] = int((t[:, 3] == k).sum())
         result["transfers"] = counts
+        result["kv_relays"] = int(self.kv_relay.shape[0])
         return result
 
     def stats(self) -> dict:
         """Per-rank ``tokens, flops_fwd, bytes_sent_fwd, bytes_recv_fwd, bytes_sent_bwd, bytes_recv_bwd``
         (lists over ranks) and ``sim_time_fwd / sim_time_bwd`` (max over ranks, seconds, see
-        planner/cost_model.py), ``lower_bound_fwd / _bwd``, imbalances and transfer counts. Bytes are
-        the sums of the CommSchedule rows, i.e. exactly what the executor sends."""
+        planner/cost_model.py), ``lower_bound_fwd / _bwd``, imbalances, transfer counts and
+        ``kv_relays`` (KV transfers whose source is a relay, not the home). Bytes are the sums of
+        the CommSchedule rows, i.e. exactly what the executor sends."""
         return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
                 for k, v in self._stats.items()}
 
@@ -209,7 +215,7 @@ class Plan:
             f"  memory: tokens/rank min {min(s['tokens'])} max {max(s['tokens'])} (max/mean {s['memory_imbalance']:.3f})",
             f"  compute: max/mean {s['compute_imbalance']:.3f}, total {sum(s['flops_fwd']) / 1e12:.3f} TFLOP fwd",
             f"  bytes: fwd {s['bytes_fwd'] * mb:.1f} MiB, bwd {s['bytes_bwd'] * mb:.1f} MiB, "
-            f"transfers {s['transfers']}",
+            f"transfers {s['transfers']}, KV relayed inside nodes {s['kv_relays']}",
             f"  sim time (H200 model): fwd {s['sim_time_fwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_fwd'] * 1e3:.3f}),"
             f" bwd {s['sim_time_bwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_bwd'] * 1e3:.3f})",
         ]

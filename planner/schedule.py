@@ -78,6 +78,12 @@ class CommSchedule:
     num_stages: int
     world_size: int
 
+    @classmethod
+    def from_rows(cls, fwd: np.ndarray, bwd: np.ndarray, *, num_stages: int, world_size: int) -> "CommSchedule":
+        """A schedule of ``[m, 5]`` row arrays in any order (sorted here into wire order)."""
+        return cls(fwd=_sorted_table([fwd]), bwd=_sorted_table([bwd]), num_stages=int(num_stages),
+                   world_size=int(world_size))
+
     def table(self, direction: str) -> torch.Tensor:
         """The ``"fwd"`` or ``"bwd"`` table."""
         if direction not in ("fwd", "bwd"):
@@ -120,8 +126,9 @@ class CommSchedule:
         return int(out[0]) if single else out
 
 
-def _groups(rank: np.ndarray, block: np.ndarray, stage: np.ndarray, num_blocks: int):
-    """Unique (rank, block) pairs, ascending, with the first and last stage in which they occur.
+def receive_groups(rank: np.ndarray, block: np.ndarray, stage: np.ndarray, num_blocks: int):
+    """Unique (rank, block) pairs, ascending by ``rank * nB + block``, with the first and last stage in
+    which they occur (for the remote inputs of tiles: one receive group each, one CommSchedule row).
 
     Dense over the [P, nB] grid instead of sorting the (large) tile arrays: entries are written in
     stage order, so the last write to a cell is the latest stage (and in reverse order the earliest).
@@ -148,7 +155,18 @@ def _rows(stage, src, dst, kind: int, block) -> np.ndarray:
 
 def _sorted_table(parts: list[np.ndarray]) -> torch.Tensor:
     table = np.concatenate(parts, axis=0) if parts else np.zeros((0, 5), dtype=np.int64)
-    order = np.lexsort(tuple(table[:, c] for c in (4, 3, 2, 1, 0)))
+    if table.shape[0] == 0:
+        return torch.zeros((0, 5), dtype=torch.int32)
+    # Lexicographic order of the 5 columns: one argsort of a mixed-radix int64 key when it fits (the
+    # common case; several times faster than lexsort), lexsort otherwise. Same order either way.
+    radix = table.max(axis=0) + 1
+    if table.min() >= 0 and float(np.prod(radix.astype(np.float64))) < 2.0**62:
+        key = table[:, 0]
+        for c in range(1, 5):
+            key = key * radix[c] + table[:, c]
+        order = np.argsort(key, kind="stable")
+    else:
+        order = np.lexsort(tuple(table[:, c] for c in (4, 3, 2, 1, 0)))
     return torch.from_numpy(np.ascontiguousarray(table[order]).astype(np.int32))
 
 
@@ -173,32 +191,44 @@ def derive_schedule(block_home, tile_q, tile_kv, tile_rank, tile_stage, *, num_b
     kv = np.asarray(tile_kv, dtype=np.int64)
     rank = np.asarray(tile_rank, dtype=np.int64)
     stage = np.asarray(tile_stage, dtype=np.int64)
-
     remote_q = home[q] != rank
-    r, b, first, last = _groups(rank[remote_q], q[remote_q], stage[remote_q], num_blocks)
+    remote_kv = home[kv] != rank
+    return schedule_from_groups(
+        home, receive_groups(rank[remote_q], q[remote_q], stage[remote_q], num_blocks),
+        receive_groups(rank[remote_kv], kv[remote_kv], stage[remote_kv], num_blocks),
+        num_blocks=num_blocks, num_stages=num_stages, world_size=world_size, kv_relay=kv_relay)
+
+
+def schedule_from_groups(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num_stages: int,
+                         world_size: int, kv_relay=None) -> CommSchedule:
+    """The CommSchedule from the ``receive_groups`` (rank, block, first, last) of the tiles' remote q-
+    and kv-blocks (lets a planner that changes few stages rebuild it without touching every tile)."""
+    fwd, bwd = schedule_rows(home, q_groups, kv_groups, num_blocks=num_blocks, num_stages=num_stages,
+                             kv_relay=kv_relay)
+    return CommSchedule.from_rows(fwd, bwd, num_stages=num_stages, world_size=world_size)
+
+
+def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num_stages: int,
+                  kv_relay=None) -> tuple[np.ndarray, np.ndarray]:
+    """The forward and backward rows of ``schedule_from_groups``, int64 and *unsorted* (enough for a
+    cost estimate, which sums per (rank, stage); ``CommSchedule.from_rows`` puts them in wire order)."""
+    r, b, first, last = q_groups
     q_in = _rows(first, home[b], r, KIND_Q, b)
     out = _rows(last + 1, r, home[b], KIND_OUT, b)
     d_out = _rows(first, home[b], r, KIND_DO, b)
     d_q = _rows(last + 1, r, home[b], KIND_DQ, b)
 
-    remote_kv = home[kv] != rank
-    r, b, first, last = _groups(rank[remote_kv], kv[remote_kv], stage[remote_kv], num_blocks)
+    r, b, first, last = kv_groups
     src, dkv_dst, dkv_stage = _kv_routes(home, r, b, last, as_relay_table(kv_relay), num_blocks, num_stages)
     kv_in = _rows(first, src, r, KIND_KV, b)
     d_kv = _rows(dkv_stage, r, dkv_dst, KIND_DKV, b)
-
-    return CommSchedule(
-        fwd=_sorted_table([q_in, kv_in, out]),
-        bwd=_sorted_table([d_out, d_q, d_kv]),
-        num_stages=int(num_stages),
-        world_size=int(world_size),
-    )
+    return np.concatenate([q_in, kv_in, out]), np.concatenate([d_out, d_q, d_kv])
 
 
 def _kv_routes(home, r, b, last, relay, num_blocks: int, num_stages: int):
     """KV source, DKV destination and DKV stage of every (rank r, kv-block b) receive group.
 
-    Groups are sorted by ``r * nB + b`` (``_groups``), so relay rows are matched by binary search;
+    Groups are sorted by ``r * nB + b`` (``receive_groups``), so relay rows are matched by binary search;
     rows naming no group are ignored here (check_plan rejects such tables).
     """
     src, dkv_dst, dkv_stage = home[b], home[b].copy(), last + 1

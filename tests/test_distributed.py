@@ -102,16 +102,54 @@ def random_plan(spec, world, *, seed, num_q_heads, num_kv_heads, head_dim, dtype
     return plan
 
 
+def relay_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_dim, dtype, block_size,
+               inter_bw=2e9):
+    """dcp's plan with node-level KV relays (planner/relay.py) on a slow inter-node link, where they pay off."""
+    import numpy as np
+
+    from blockattn.planner import Topology, check_plan, make_plan
+    from blockattn.planner.api import build_plan
+    from blockattn.planner.placement import Placement
+    from blockattn.planner.relay import add_relays
+    from blockattn.planner.tiles import TileSet
+
+    from blockattn.planner import clear_plan_cache
+    from blockattn.planner import dcp as dcp_module
+
+    kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    topology = Topology(ranks_per_node=ranks_per_node, inter_bw=inter_bw)
+    # dcp's placement before relays (dcp adds them itself), so the test can count delayed tiles
+    with_relays = dcp_module.add_relays
+    dcp_module.add_relays = lambda tiles, placement, **_: placement
+    try:
+        clear_plan_cache()
+        base = make_plan(spec, world, dtype=dtype, block_size=block_size, topology=topology, **kw)
+    finally:
+        dcp_module.add_relays = with_relays
+        clear_plan_cache()
+    tiles = TileSet.from_block_mask(spec.block_mask(block_size))
+    as64 = lambda t: t.numpy().astype(np.int64)  # noqa: E731
+    placement = add_relays(tiles, Placement(as64(base.block_home), as64(base.tile_rank), as64(base.tile_stage)),
+                           world_size=world, cost_model=base.cost_model, max_stages=4,
+                           sizes=dict(kw, element_size=torch.empty((), dtype=dtype).element_size()))
+    plan = build_plan(tiles, placement, strategy="dcp+relay", world_size=world, dtype=dtype,
+                      mask_signature=spec.signature(), cost_model=base.cost_model, **kw)
+    check_plan(plan)
+    return base, plan
+
+
 def run_case(rank, world, spec, *, strategy="dcp", Hq=4, Hkv=2, D=16, dtype=torch.float32, block_size=16,
-             backend="torch", comm_method="p2p", lse_grad=False, seed=0):
+             backend="torch", comm_method="p2p", lse_grad=False, seed=0, plan=None):
     """Run one plan fwd+bwd on this rank and check it; returns this rank's output rows.
-    strategy "random<k>": a random valid placement with seed k (see random_plan)."""
+    strategy "random<k>": a random valid placement with seed k (see random_plan); ``plan``: run this one."""
     from blockattn.comms import count_bytes
     from blockattn.distributed import distributed_block_attention
     from blockattn.planner import make_plan
 
     kw = dict(num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, dtype=dtype, block_size=block_size)
-    if strategy.startswith("random"):  # "random<seed>" or "random<seed>-empty<rank>"
+    if plan is not None:
+        pass
+    elif strategy.startswith("random"):  # "random<seed>" or "random<seed>-empty<rank>"
         seed_text, _, empty = strategy[6:].partition("-empty")
         plan = random_plan(spec, world, seed=int(seed_text), empty_rank=int(empty) if empty else None, **kw)
         stats = plan.stats()
@@ -215,6 +253,23 @@ def _strategies_world5(rank, world):
     run_case(rank, world, MaskSpec.shared_question(30, [40, 41, 42]), strategy="random8", block_size=32)
 
 
+def _relays_world6(rank, world):
+    # 3 "nodes" of 2 ranks on a slow NIC: relayed KV (some tiles delayed for it) and DKV reduce trees
+    relayed = delayed = trees = 0
+    cases = [(MaskSpec.causal_blockwise(205, block=32, k_local=2), {}),
+             (MaskSpec.shared_question(64, [50, 70, 40, 60]), dict(comm_method="a2a", dtype=torch.bfloat16, Hkv=1))]
+    for spec, kw in cases:
+        dtype = kw.get("dtype", torch.float32)
+        base, plan = relay_plan(spec, world, ranks_per_node=2, num_q_heads=4, num_kv_heads=kw.get("Hkv", 2),
+                                head_dim=16, dtype=dtype, block_size=16)
+        bwd, home = plan.schedule.bwd, plan.block_home.long()
+        relayed += plan.stats()["kv_relays"]
+        trees += int(((bwd[:, 3] == 5) & (bwd[:, 2] != home[bwd[:, 4].long()])).sum())
+        delayed += int((plan.tile_stage != base.tile_stage).sum())
+        run_case(rank, world, spec, plan=plan, strategy=plan.strategy, **kw)
+    assert relayed and trees and delayed, f"relay cases ran no relay ({relayed}), tree ({trees}) or delay ({delayed})"
+
+
 def _errors_world3(rank, world):
     from blockattn.comms import StageExchange, get_group
     from blockattn.distributed import distributed_block_attention
@@ -310,3 +365,6 @@ def test_strategies_awkward_lengths_five_ranks():
 def test_mismatches_raise_on_every_rank_and_subgroups():
     _spawn("_errors_world3", 3)
 
+
+def test_node_relays_six_ranks_three_nodes():
+    _spawn("_relays_world6", 6)

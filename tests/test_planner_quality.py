@@ -166,3 +166,19 @@ def test_fcp_splits_a_heavy_document_into_zigzag_pairs(world_size):
     # the document's first and last blocks (the lightest and the heaviest row) share a rank
     home = plan.block_home.numpy()
     assert home[0] == home[6144 // 64 - 1], home[: 6144 // 64]
+
+
+def test_dcp_relays_a_shared_question_once_per_node():
+    # every answer reads the question: without relays its home sends one copy per remote rank
+    spec = MaskSpec.shared_question(512, [384] * 12)
+    topo = Topology(ranks_per_node=2, inter_bw=5e9, intra_lat=0.0, inter_lat=0.0)
+    plan = make_plan(spec, 6, block_size=64, topology=topo, **HEADS)
+    assert plan.stats()["kv_relays"] > 0, plan.explain()
+    fwd = plan.schedule.fwd.numpy().astype(np.int64)
+    kv = fwd[fwd[:, 3] == KIND_KV]
+    home = plan.block_home.numpy().astype(np.int64)
+    relayed = kv[kv[:, 1] != home[kv[:, 4]]]
+    assert relayed.shape[0] == plan.stats()["kv_relays"]
+    # a relay forwards over NVLink a block that crossed the slow link once, to its node
+    assert np.all(topo.node_of(relayed[:, 1]) == topo.node_of(relayed[:, 2]))
+    assert np.all(topo.node_of(relayed[:, 1]) != topo.node_of(home[relayed[:, 4]]))

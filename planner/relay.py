@@ -1,0 +1,271 @@
+"""Node-level relays ("hierarchical" transfers) of hot KV blocks, forward and backward.
+
+Notation (docs/design.md): P ranks on nodes of ``ranks_per_node`` consecutive ranks, nB blocks,
+``home[b]`` owns block b, S = num_stages (stages 0..S-1, transfers 0..S). A *receiver* of KV block b
+is a rank that computes a tile (q, b) while home[b] is another rank; it first needs b in stage f and
+last computes with it in stage l.
+
+Without relays every receiver gets b from the home, so the home of a block many ranks read (a shared
+question, the first blocks of causal_blockwise, a sink) pushes one copy per remote *rank* through its
+NIC (``inter_bw``, 9x slower than NVLink in the cost model). With a relay it sends one per remote
+*node*:
+
+* For b and a remote node N with >= 2 receivers, the *proxy* p is the receiver on N with the earliest
+  f (ties: lowest rank); it receives b from the home as before. Each other receiver r on N with
+  f_r > f_p gets b from p in stage f_r: stage f_r's exchange is posted before stage f_r - 1 computes,
+  when p already holds b (received by stage f_p <= f_r - 1).
+* A receiver with f_r == f_p either *delays* its tiles that read b to stage f_p + 1 (a tile may
+  always run later; one extra stage is allowed while the plan has fewer than ``max_stages``) and then
+  gets b from p, or keeps receiving b from the home.
+* Backward (derived by planner/schedule.py from the same table): relayed receivers send their dK/dV
+  partial of b to p, which adds it to its own and sends one sum home.
+
+Which receivers delay is the cost model's call. Candidates: the input, relays without delays, relays
+with every possible delay, and a per-rank mix (a rank delays only if its own simulated fwd and bwd
+times stay within the slowest rank of the no-delay candidate, so no rank becomes a new straggler).
+Each is scored as dcp scores plans (fwd + bwd overlapped time, planner/cost_model.py); the fastest
+wins. Everything is numpy over (rank, block) receive groups: no Python loop over blocks or tiles.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .cost_model import CostModel
+from .placement import Placement, compact_stages
+from .schedule import (KIND_DKV, KIND_DQ, KIND_KV, KIND_Q, CommSchedule, as_relay_table, payload_bytes,
+                       receive_groups, schedule_rows)
+from .tiles import TileSet
+
+
+def add_relays(tiles: TileSet, placement: Placement, *, world_size: int, cost_model: CostModel, max_stages: int,
+               sizes: dict) -> Placement:
+    """``placement`` with KV relays inside nodes when the cost model says they make it faster, else the
+    input itself. ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size (as dcp passes them).
+
+    A relayed result carries compact stages, its CommSchedule, its ``kv_relay`` table and ``sim_time``
+    (simulated fwd + bwd time). The input's ``sim_time``, when set, is taken as its score (dcp has just
+    computed it), so ``result.sim_time`` is then always the returned placement's score.
+    """
+    base_time, variants = _variants(tiles, placement, world_size=world_size, cost_model=cost_model,
+                                    max_stages=max_stages, sizes=sizes)
+    best = min(variants, key=lambda v: v.time, default=None)
+    if best is None or best.time >= base_time:
+        return placement
+    return best.placement(placement.block_home, placement.tile_rank, world_size)
+
+
+def relay_variants(tiles: TileSet, placement: Placement, *, world_size: int, cost_model: CostModel,
+                   max_stages: int, sizes: dict) -> tuple[float, list[Placement]]:
+    """(the input's simulated time, every relayed candidate add_relays weighs, as scored Placements;
+    see the module docstring). No candidates (and time inf, not computed) on one node or when no
+    block has two receivers on one remote node."""
+    base_time, variants = _variants(tiles, placement, world_size=world_size, cost_model=cost_model,
+                                    max_stages=max_stages, sizes=sizes)
+    return base_time, [v.placement(placement.block_home, placement.tile_rank, world_size) for v in variants]
+
+
+def _variants(tiles: TileSet, placement: Placement, *, world_size: int, cost_model: CostModel, max_stages: int,
+              sizes: dict) -> tuple[float, list]:
+    if isinstance(max_stages, bool) or not isinstance(max_stages, (int, np.integer)) or max_stages < 1:
+        raise ValueError(f"max_stages must be an int >= 1, got {max_stages!r}")
+    if world_size <= cost_model.topology.ranks_per_node or tiles.num_tiles == 0:
+        return np.inf, []  # one node: every transfer already travels over NVLink
+    home = np.asarray(placement.block_home, dtype=np.int64)
+    rank = np.asarray(placement.tile_rank, dtype=np.int64)
+    if (home.shape != (tiles.num_blocks,) or rank.shape != (tiles.num_tiles,)
+            or np.shape(placement.tile_stage) != (tiles.num_tiles,)):
+        raise ValueError(f"placement does not fit the tiles: block_home {home.shape} for {tiles.num_blocks} "
+                         f"blocks, tile_rank {rank.shape} / tile_stage for {tiles.num_tiles} tiles")
+    if as_relay_table(placement.kv_relay).shape[0]:
+        raise ValueError("add_relays expects a placement without relays (its kv_relay is already set)")
+    stage, num_stages = compact_stages(placement.tile_stage)
+    schedule = placement.schedule
+    if schedule is not None and (schedule.num_stages != num_stages or not np.array_equal(stage, placement.tile_stage)):
+        schedule = None  # derived for other stage numbers
+    kv_groups = _placement_groups(tiles.kv, KIND_KV, home, rank, stage, schedule, tiles.num_blocks)
+    cand = relay_candidates(home, kv_groups, ranks_per_node=cost_model.topology.ranks_per_node)
+    if cand is None:
+        return np.inf, []
+    # Stage f_p + 1 must exist for a delay: stages go up to S - 1, or S when one more is allowed.
+    last_stage = num_stages if num_stages - 1 < max_stages else num_stages - 1
+    late = cand.first > cand.proxy_first
+    early = ~late & (cand.proxy_first + 1 <= last_stage)
+    if not late.any() and not early.any():
+        return np.inf, []
+    q_groups = _placement_groups(tiles.q, KIND_Q, home, rank, stage, schedule, tiles.num_blocks)
+    score = _Scorer(tiles, home, rank, stage, num_stages, q_groups, kv_groups, world_size=world_size,
+                    cost_model=cost_model, sizes=sizes)
+    base_time = placement.sim_time
+    if base_time is None:
+        base_time = score.base(schedule)
+
+    lazy = score.variant(cand, np.zeros(cand.block.size, dtype=bool))
+    variants = [lazy] if late.any() else []
+    if early.any():
+        eager = score.variant(cand, early)
+        variants.append(eager)
+        # per rank: delay only where that rank stays within the no-delay plan's slowest rank
+        fits = (eager.fwd <= lazy.fwd.max()) & (eager.bwd <= lazy.bwd.max())
+        mixed = early & fits[cand.dst]
+        if mixed.any() and not np.array_equal(mixed, early):
+            variants.append(score.variant(cand, mixed))
+    return float(base_time), variants
+
+
+class _Variant(NamedTuple):
+    time: float  # simulated fwd + bwd time
+    stage: np.ndarray  # int64 [ntiles], compact
+    num_stages: int
+    fwd: np.ndarray  # float64 [P] per-rank forward time
+    bwd: np.ndarray  # float64 [P] per-rank backward time
+    rows: tuple  # (fwd, bwd) int64 schedule rows, unsorted
+    relay: np.ndarray  # int64 [m, 3] (block, dst, src), sorted
+
+    def placement(self, home, rank, world_size: int) -> Placement:
+        schedule = CommSchedule.from_rows(*self.rows, num_stages=self.num_stages, world_size=world_size)
+        return Placement(block_home=np.asarray(home, dtype=np.int64), tile_rank=np.asarray(rank, dtype=np.int64),
+                         tile_stage=self.stage, schedule=schedule,
+                         kv_relay=self.relay, sim_time=self.time)
+
+
+class RelayCandidates(NamedTuple):
+    """Receivers that may relay: one entry per (block, remote node, non-proxy receiver), arrays of equal
+    length, sorted by (block, node, first stage, rank)."""
+
+    block: np.ndarray  # int64 kv-block
+    dst: np.ndarray  # int64 the receiver
+    proxy: np.ndarray  # int64 its node's proxy for the block
+    first: np.ndarray  # int64 the receiver's first-need stage
+    proxy_first: np.ndarray  # int64 the proxy's first-need (= receive) stage
+    group: np.ndarray  # int64 index of the receiver's (rank, block) entry in the kv receive groups
+
+
+def relay_candidates(home: np.ndarray, kv_groups, *, ranks_per_node: int) -> RelayCandidates | None:
+    """The non-proxy receivers of every (KV block, remote node) with >= 2 receivers, from the tiles'
+    kv ``receive_groups`` (planner/schedule.py); None if there are none."""
+    r, b, first, _ = kv_groups
+    node = r // ranks_per_node
+    idx = np.flatnonzero(node != home[b] // ranks_per_node)
+    if idx.size < 2:
+        return None
+    key = b * (int(node.max()) + 1) + node  # one key per (block, node)
+    idx = idx[np.lexsort((r[idx], first[idx], key[idx]))]  # per (block, node): earliest need, then lowest rank
+    group = key[idx]
+    head = np.r_[True, group[1:] != group[:-1]]
+    proxy_idx = idx[np.flatnonzero(head)][np.cumsum(head) - 1]
+    member = ~head
+    if not member.any():
+        return None
+    idx, proxy_idx = idx[member], proxy_idx[member]
+    return RelayCandidates(block=b[idx], dst=r[idx], proxy=r[proxy_idx], first=first[idx],
+                           proxy_first=first[proxy_idx], group=idx)
+
+
+def _placement_groups(block, kind: int, home, rank, stage, schedule, num_blocks: int):
+    """``receive_groups`` of the tiles' remote q-blocks (kind Q) or kv-blocks (KV): read off the rows of
+    the placement's relay-free schedule when it has one (far fewer rows than tiles), else from the tiles.
+    An input row ``(first, home, r, kind, b)`` and a result row ``(last + 1, r, home, DQ / DKV, b)``
+    exist per group (planner/schedule.py)."""
+    if schedule is None:
+        remote = home[block] != rank
+        return receive_groups(rank[remote], block[remote], stage[remote], num_blocks)
+    kind_back = KIND_DQ if kind == KIND_Q else KIND_DKV
+    fwd, bwd = schedule.fwd.numpy(), schedule.bwd.numpy()
+    rin = fwd[fwd[:, 3] == kind].astype(np.int64)
+    rback = bwd[bwd[:, 3] == kind_back].astype(np.int64)
+    rin = rin[np.argsort(rin[:, 2] * num_blocks + rin[:, 4])]  # receiver-major, like receive_groups
+    rback = rback[np.argsort(rback[:, 1] * num_blocks + rback[:, 4])]
+    return rin[:, 2], rin[:, 4], rin[:, 0], rback[:, 0] - 1
+
+
+class _Scorer:
+    """dcp's plan score for variants of one placement that differ only in stages and relays: simulated
+    forward + backward time, each the slowest rank's overlapped time (planner/cost_model.py), over the
+    CommSchedule rows and the per-stage compute. The receive groups are computed once; a variant only
+    patches the groups of the (rank, block) pairs it delays."""
+
+    def __init__(self, tiles: TileSet, home: np.ndarray, rank: np.ndarray, stage: np.ndarray, num_stages: int,
+                 q_groups, kv_groups, *, world_size: int, cost_model: CostModel, sizes: dict):
+        self.tiles, self.home, self.rank, self.P, self.cm, self.sizes = tiles, home, rank, world_size, cost_model, sizes
+        self.stage, self.num_stages, self.q_groups, self.kv_groups = stage, num_stages, q_groups, kv_groups
+        flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
+        self.compute_time = flops / cost_model.fwd_rate
+        self.block_len = tiles.block_lengths()
+        self.remote_q = home[tiles.q] != rank
+        nB = tiles.num_blocks
+        self.kv_tiles = np.flatnonzero(home[tiles.kv] != rank)  # only these can be delayed
+        self.kv_tile_key = rank[self.kv_tiles] * nB + tiles.kv[self.kv_tiles]
+        # [P, S + 1]: room for the one extra stage a delay may open
+        self.base_compute = np.bincount(rank * (num_stages + 1) + stage, weights=self.compute_time,
+                                        minlength=self.P * (num_stages + 1)).reshape(self.P, num_stages + 1)
+
+    def _score(self, rows, compute: np.ndarray, num_stages: int):
+        """(fwd + bwd time, fwd per rank, bwd per rank) of (fwd, bwd) schedule rows in any order."""
+        per_rank = []
+        for table, factor in zip(rows, (1.0, self.cm.bwd_flops_factor)):
+            nbytes = payload_bytes(table[:, 3], self.block_len[table[:, 4]], **self.sizes)
+            comm = self.cm.stage_comm_time(table, nbytes, self.P, num_stages)
+            per_rank.append(self.cm.overlapped_time(compute * factor, comm))
+        return float(per_rank[0].max() + per_rank[1].max()), per_rank[0], per_rank[1]
+
+    def base(self, schedule=None) -> float:
+        """The input placement's time (its schedule derived unless given)."""
+        if schedule is None:
+            rows = schedule_rows(self.home, self.q_groups, self.kv_groups, num_blocks=self.tiles.num_blocks,
+                                 num_stages=self.num_stages)
+        else:
+            rows = tuple(schedule.table(d).numpy().astype(np.int64) for d in ("fwd", "bwd"))
+        return self._score(rows, self.base_compute[:, :self.num_stages], self.num_stages)[0]
+
+    def variant(self, cand: RelayCandidates, delay: np.ndarray) -> _Variant:
+        """Relays for every candidate that needs no delay plus the ``delay``-flagged ones (their tiles
+        reading the block move to the proxy's stage + 1), scored."""
+        t, nB = self.tiles, self.tiles.num_blocks
+        stage, num_stages, compute = self.stage, self.num_stages, self.base_compute
+        q_groups, kv_groups = self.q_groups, self.kv_groups
+        if delay.any():
+            # Only the delayed (rank, block) pairs' tiles move; every other kv first need, in particular
+            # each proxy's, is unchanged, so the relays' "held strictly before" conditions stay true.
+            to = cand.proxy_first[delay] + 1
+            target = np.full(self.P * nB, -1, dtype=np.int64)
+            target[cand.dst[delay] * nB + cand.block[delay]] = to
+            new = target[self.kv_tile_key]
+            later = new > stage[self.kv_tiles]
+            moved, new = self.kv_tiles[later], new[later]
+            compute = compute.copy()
+            size = compute.size
+            compute -= np.bincount(self.rank[moved] * (num_stages + 1) + stage[moved],
+                                   weights=self.compute_time[moved], minlength=size).reshape(compute.shape)
+            compute += np.bincount(self.rank[moved] * (num_stages + 1) + new,
+                                   weights=self.compute_time[moved], minlength=size).reshape(compute.shape)
+            stage = stage.copy()
+            stage[moved] = new
+            r, b, first, last = kv_groups
+            first, last = first.copy(), last.copy()
+            first[cand.group[delay]] = to
+            last[cand.group[delay]] = np.maximum(last[cand.group[delay]], to)
+            if self.remote_q[moved].any():  # some moved tile reads a remote q-block: its group may change
+                rq = self.remote_q
+                q_groups = receive_groups(self.rank[rq], t.q[rq], stage[rq], nB)
+            # renumber the used stages >= 1 as 1, 2, ... (monotone: every strict order between stages stays)
+            used = np.bincount(stage, minlength=num_stages + 1) > 0
+            used[0] = False
+            remap = np.cumsum(used)
+            num_stages = int(remap[-1]) + 1
+            if not np.array_equal(remap[1:num_stages], np.arange(1, num_stages)):
+                stage, first, last = remap[stage], remap[first], remap[last]
+                q_groups = (q_groups[0], q_groups[1], remap[q_groups[2]], remap[q_groups[3]])
+                merged = np.zeros((self.P, num_stages + 1))
+                np.add.at(merged.T, remap, compute.T)  # columns of stages that collapse onto one
+                compute = merged
+            kv_groups = (r, b, first, last)
+        compute = compute[:, :num_stages]
+        use = (cand.first > cand.proxy_first) | delay
+        relay = np.stack([cand.block[use], cand.dst[use], cand.proxy[use]], axis=1)
+        relay = relay[np.lexsort((relay[:, 1], relay[:, 0]))]
+        rows = schedule_rows(self.home, q_groups, kv_groups, num_blocks=nB, num_stages=num_stages, kv_relay=relay)
+        total, fwd, bwd = self._score(rows, compute, num_stages)
+        return _Variant(total, stage, num_stages, fwd, bwd, rows, relay)

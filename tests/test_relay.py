@@ -1,0 +1,268 @@
+"""Node-level KV relays (planner/relay.py): relayed plans are valid, cheaper on the NIC, deterministic,
+and check_plan rejects broken relays / DKV chains.
+
+Invariants are checked twice: by check_plan and by an independent replay of the schedule below
+(who holds which block when, and which ranks' dK/dV contributions reach each home).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_planner import HEADS, masks
+
+from blockattn.masks import MaskSpec
+from blockattn.planner import CostModel, Topology, check_plan, clear_plan_cache, make_plan, payload_bytes
+from blockattn.planner.api import build_plan
+from blockattn.planner.placement import Placement
+from blockattn.planner.relay import add_relays, relay_variants
+from blockattn.planner.schedule import KIND_DKV, KIND_KV, KIND_Q, CommSchedule, PlanConsistencyError
+from blockattn.planner.tiles import TileSet
+
+SIZES = dict(HEADS, element_size=2)
+SLOW_NIC = dict(inter_bw=2e9)  # inter-node link 225x slower than NVLink: relays clearly pay off
+SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _placement_of(plan) -> Placement:
+    """The plan's placement without relays (a plan dcp already relayed keeps its stages, loses its relays)."""
+    as64 = lambda t: t.numpy().astype(np.int64)  # noqa: E731
+    schedule = plan.schedule if plan.kv_relay.numel() == 0 else None
+    return Placement(as64(plan.block_home), as64(plan.tile_rank), as64(plan.tile_stage), schedule=schedule)
+
+
+def _build(spec, tiles, placement, world_size, topology, strategy="dcp+relay"):
+    plan = build_plan(tiles, placement, strategy=strategy, world_size=world_size, dtype=torch.bfloat16,
+                      mask_signature=spec.signature(), cost_model=CostModel(topology=topology), **HEADS)
+    check_plan(plan)
+    return plan
+
+
+def relayed_plans(spec, world_size, topology, block_size=None, max_stages=4):
+    """(dcp plan, [every relayed candidate of it as a Plan], add_relays' choice as a Plan)."""
+    base = make_plan(spec, world_size, block_size=block_size, topology=topology, max_stages=max_stages, **HEADS)
+    tiles = TileSet.from_block_mask(spec.block_mask(base.block_size))
+    if base.kv_relay.numel():  # dcp relays by itself: compare against the same placement without relays
+        base = _build(spec, tiles, _placement_of(base), world_size, topology, strategy="dcp")
+    kw = dict(world_size=world_size, cost_model=base.cost_model, max_stages=max_stages, sizes=SIZES)
+    _, variants = relay_variants(tiles, _placement_of(base), **kw)
+    chosen = add_relays(tiles, _placement_of(base), **kw)
+    plans = [_build(spec, tiles, v, world_size, topology) for v in variants]
+    return base, plans, _build(spec, tiles, chosen, world_size, topology)
+
+
+def replay(plan) -> None:
+    """Independent of check_plan: walk the rows in stage order and assert that every source holds what
+    it sends (KV relays: received in an earlier stage), every tile finds its inputs by its stage, and
+    every rank's dK/dV contribution to a kv-block reaches the block's home exactly once, each hop
+    leaving only after the sender computed its last tile of the block and heard from all its children."""
+    P, S = plan.world_size, plan.num_stages
+    home = plan.block_home.tolist()
+    held = {}  # (rank, kind, block) -> stage from which the rank holds it
+    for r in range(P):
+        for b in plan.local_blocks[r].tolist():
+            held[(r, KIND_Q, b)] = held[(r, KIND_KV, b)] = -1
+    for s, src, dst, kind, b in plan.schedule.fwd.tolist():
+        if kind in (KIND_Q, KIND_KV):
+            assert held.get((src, kind, b), S + 1) < s, f"rank {src} sends block {b} in stage {s} before holding it"
+            assert (dst, kind, b) not in held
+            held[(dst, kind, b)] = s
+    last = {}  # (rank, kv-block) -> last compute stage
+    for q, kv, r, s in zip(plan.tile_q.tolist(), plan.tile_kv.tolist(), plan.tile_rank.tolist(),
+                           plan.tile_stage.tolist()):
+        assert held.get((r, KIND_Q, q), S + 1) <= s and held.get((r, KIND_KV, kv), S + 1) <= s
+        last[(r, kv)] = max(last.get((r, kv), -1), s)
+    # DKV: each rank's contribution set travels with its partial, in stage (= table) order
+    gathered = {key: {key[0]} for key in last}
+    arrived = {}  # (rank, block) -> latest stage a child's partial arrived
+    for s, src, dst, kind, b in plan.schedule.bwd.tolist():
+        if kind != KIND_DKV:
+            continue
+        assert (src, b) in gathered, f"rank {src} sends a DKV partial of block {b} it does not have (or twice)"
+        assert last[(src, b)] < s and arrived.get((src, b), -1) < s, f"rank {src} sends DKV {b} too early"
+        gathered.setdefault((dst, b), set()).update(gathered.pop((src, b)))
+        arrived[(dst, b)] = max(arrived.get((dst, b), -1), s)
+    for b in range(plan.num_blocks):
+        contributors = {r for (r, kv) in last if kv == b}
+        assert gathered.get((home[b], b), set()) == contributors, f"DKV of block {b} misses contributions"
+    assert all(r == home[b] for (r, b) in gathered), "a DKV partial is stranded away from its home"
+
+
+def _check_relayed(plan, base) -> None:
+    """Relayed plan vs the plan it came from: same homes and tile ranks, tiles only later, bytes ==
+    sum of rows, and one inter-node KV copy per (block, remote node) where a relay applies."""
+    replay(plan)
+    assert torch.equal(plan.block_home, base.block_home) and torch.equal(plan.tile_rank, base.tile_rank)
+    s = plan.stats()
+    for direction in ("fwd", "bwd"):
+        table = plan.schedule.table(direction).numpy().astype(np.int64)
+        block_len = np.minimum(plan.block_size, plan.total_len - table[:, 4] * plan.block_size)
+        nbytes = payload_bytes(table[:, 3], block_len, **SIZES)
+        for what, col in (("sent", 1), ("recv", 2)):
+            expect = np.bincount(table[:, col], nbytes, plan.world_size).astype(np.int64).tolist()
+            assert s[f"bytes_{what}_{direction}"] == expect
+    relay = plan.kv_relay.numpy().astype(np.int64)
+    assert s["kv_relays"] == relay.shape[0] > 0
+    rpn = plan.topology.ranks_per_node
+    fwd = plan.schedule.fwd.numpy().astype(np.int64)
+    kv = fwd[fwd[:, 3] == KIND_KV]
+    inter = kv[kv[:, 1] // rpn != kv[:, 2] // rpn]
+    for b, node in {(int(b), int(d) // rpn) for b, d, _ in relay}:
+        # one copy crosses to the node (the proxy's); receivers that need the block in that same stage
+        # may keep their own copy from home (the cost model's choice), later ones all get it relayed
+        into = inter[(inter[:, 4] == b) & (inter[:, 2] // rpn == node)]
+        assert into.shape[0] >= 1 and np.all(into[:, 0] == into[:, 0].min())
+    assert np.all(relay[:, 1] // rpn == relay[:, 2] // rpn), "relays stay inside a node"
+
+
+@SETTINGS
+@given(spec=masks(), world_size=st.integers(4, 9), ranks_per_node=st.integers(2, 3),
+       block_size=st.sampled_from([None, 16, 32]), max_stages=st.sampled_from([2, 4, 8]))
+def test_relay_variants_are_valid_plans(spec, world_size, ranks_per_node, block_size, max_stages):
+    topology = Topology(ranks_per_node=ranks_per_node, **SLOW_NIC)
+    base, variants, chosen = relayed_plans(spec, world_size, topology, block_size=block_size, max_stages=max_stages)
+    for plan in variants:
+        _check_relayed(plan, base)
+        assert torch.all(plan.tile_stage >= base.tile_stage), "delays only move tiles later"
+    assert chosen.stats()["sim_time_fwd"] + chosen.stats()["sim_time_bwd"] <= (
+        base.stats()["sim_time_fwd"] + base.stats()["sim_time_bwd"]) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("mask", ["shared_question", "causal_blockwise"])
+def test_relays_cut_inter_node_traffic_and_time(mask):
+    # large enough that bandwidth, not per-stage latency, dominates the default cost model
+    spec = (MaskSpec.shared_question(1024, [900, 1200, 800, 1000, 1100, 950, 1000, 1100])
+            if mask == "shared_question" else MaskSpec.causal_blockwise(8192, block=1024, k_local=2))
+    topology = Topology(ranks_per_node=2)
+    base, variants, chosen = relayed_plans(spec, 8, topology, block_size=64)
+    assert variants and chosen.kv_relay.shape[0] > 0
+    _check_relayed(chosen, base)
+    # two ranks per node: a relayed (block, node) has one non-proxy receiver, so exactly one NIC copy
+    fwd = chosen.schedule.fwd.numpy().astype(np.int64)
+    kv = fwd[fwd[:, 3] == KIND_KV]
+    inter = kv[kv[:, 1] // 2 != kv[:, 2] // 2]
+    relayed = np.unique(chosen.kv_relay[:, 0].numpy() * 8 + chosen.kv_relay[:, 1].numpy() // 2)
+    copies = np.bincount(inter[:, 4] * 8 + inter[:, 2] // 2, minlength=relayed.max() + 1)[relayed]
+    assert np.all(copies == 1)
+    b, c = base.stats(), chosen.stats()
+    assert c["sim_time_fwd"] + c["sim_time_bwd"] < b["sim_time_fwd"] + b["sim_time_bwd"]
+
+    def inter_kv_bytes(plan):
+        fwd = plan.schedule.fwd.numpy().astype(np.int64)
+        nbytes = plan.transfer_bytes("fwd")
+        return nbytes[(fwd[:, 3] == KIND_KV) & (fwd[:, 1] // 2 != fwd[:, 2] // 2)].sum()
+
+    assert inter_kv_bytes(chosen) < inter_kv_bytes(base)
+
+
+def test_relays_are_deterministic_and_in_the_fingerprint():
+    spec = MaskSpec.shared_question(1024, [900, 1200, 800, 1000, 1100, 950, 1000, 1100])
+    topology = Topology(ranks_per_node=2)
+    _, _, a = relayed_plans(spec, 8, topology, block_size=64)
+    clear_plan_cache()
+    _, _, b = relayed_plans(spec, 8, topology, block_size=64)
+    assert a.kv_relay.shape[0] > 0 and a.fingerprint() == b.fingerprint()
+    stripped = dataclasses.replace(a, kv_relay=torch.zeros((0, 3), dtype=torch.int32))
+    assert stripped.fingerprint() != a.fingerprint()
+    with pytest.raises(PlanConsistencyError, match="kv_relay has 0 rows"):
+        check_plan(stripped)
+
+
+def test_one_node_and_relay_free_placements_come_back_unchanged():
+    spec = MaskSpec.shared_question(256, [300, 200, 400])
+    for world_size, topology in ((4, Topology(ranks_per_node=8)), (4, Topology(ranks_per_node=1))):
+        plan = make_plan(spec, world_size, block_size=32, topology=topology, **HEADS)
+        tiles = TileSet.from_block_mask(spec.block_mask(32))
+        placement = _placement_of(plan)
+        out = add_relays(tiles, placement, world_size=world_size, cost_model=plan.cost_model, max_stages=4,
+                         sizes=SIZES)
+        assert out is placement  # one node / one rank per node: nothing to relay
+    with pytest.raises(ValueError, match="max_stages"):
+        add_relays(tiles, placement, world_size=4, cost_model=CostModel(Topology(ranks_per_node=2)), max_stages=0,
+                   sizes=SIZES)
+    with pytest.raises(ValueError, match="does not fit"):
+        add_relays(tiles, Placement(placement.block_home[:-1], placement.tile_rank, placement.tile_stage),
+                   world_size=4, cost_model=CostModel(Topology(ranks_per_node=2)), max_stages=4, sizes=SIZES)
+
+
+# ----------------------------------------------------------------------------- hand-made relays
+def hand_relay_plan(relay=((0, 3, 2),), extra_stage=False):
+    """4 ranks on 2 nodes ({0, 1}, {2, 3}), causal mask over 4 blocks of 16 tokens (block i at home i),
+    every tile on its q-block's home. Remote kv-blocks arrive in stage 1, except that rank 3 reads
+    block 0 in stage 2 - from rank 2 with the default relay row ``(block 0, dst 3, src 2)``.
+    ``extra_stage``: rank 3 reads block 1 in stage 3, so the plan has room for a DKV reduce 3 -> 2 -> 0."""
+    spec = MaskSpec.causal(64)
+    tiles = TileSet.from_block_mask(spec.block_mask(16))
+    home = np.arange(4)
+    rank = home[tiles.q]
+    stage = np.where(rank == tiles.kv, 0, 1)
+    stage[(rank == 3) & (tiles.kv == 0)] = 2
+    if extra_stage:
+        stage[(rank == 3) & (tiles.kv == 1)] = 3
+    placement = Placement(home, rank, stage, kv_relay=np.array(relay))
+    plan = build_plan(tiles, placement, strategy="hand-relay", world_size=4, dtype=torch.float32,
+                      mask_signature=spec.signature(), cost_model=CostModel(Topology(ranks_per_node=2)), **HEADS)
+    return spec, plan
+
+
+def test_hand_made_relay_and_dkv_tree():
+    _, plan = hand_relay_plan()
+    check_plan(plan)
+    replay(plan)
+    fwd, bwd = plan.schedule.fwd.tolist(), plan.schedule.bwd.tolist()
+    assert [1, 0, 2, KIND_KV, 0] in fwd and [2, 2, 3, KIND_KV, 0] in fwd
+    # S = 3: the child's partial would reach the proxy in exchange 3, too late to forward: straight home
+    assert [3, 3, 0, KIND_DKV, 0] in bwd and [2, 2, 0, KIND_DKV, 0] in bwd
+    _, plan = hand_relay_plan(extra_stage=True)
+    check_plan(plan)
+    replay(plan)
+    # S = 4: child 3 -> proxy 2 at its last stage + 1 = 3, the proxy sends the sum home at 4
+    bwd = plan.schedule.bwd.tolist()
+    assert [3, 3, 2, KIND_DKV, 0] in bwd and [4, 2, 0, KIND_DKV, 0] in bwd
+    assert not any(r[3] == KIND_DKV and r[1] == 3 and r[4] == 0 and r[2] == 0 for r in bwd)
+
+
+def test_check_plan_rejects_relaying_before_receiving():
+    _, plan = hand_relay_plan(relay=((1, 3, 2),))  # rank 2 receives block 1 in stage 1 = rank 3's need
+    with pytest.raises(PlanConsistencyError, match="relays KV block 1 in stage 1 but holds it only from stage 1"):
+        check_plan(plan)
+    _, plan = hand_relay_plan(relay=((1, 3, 0),))  # rank 0 never holds block 1
+    with pytest.raises(PlanConsistencyError, match="relays KV block 1 in stage 1 but holds it never"):
+        check_plan(plan)
+    _, plan = hand_relay_plan(relay=((0, 3, 0),))
+    with pytest.raises(PlanConsistencyError, match="source other than the home"):
+        check_plan(plan)
+
+
+def _with_bwd(plan, rows):
+    table = torch.tensor(sorted(rows), dtype=torch.int32)
+    sched = CommSchedule(fwd=plan.schedule.fwd, bwd=table, num_stages=plan.num_stages, world_size=plan.world_size)
+    return dataclasses.replace(plan, schedule=sched)
+
+
+def test_check_plan_rejects_dkv_cycles_wrong_order_and_q_relays():
+    _, plan = hand_relay_plan(extra_stage=True)
+    bwd = [r for r in plan.schedule.bwd.tolist() if not (r[3] == KIND_DKV and r[4] == 0 and r[1] in (2, 3))]
+    # cycle: 3 -> 2 and 2 -> 3, neither reaches home 0
+    with pytest.raises(PlanConsistencyError, match="does not forward it in a later stage"):
+        check_plan(_with_bwd(plan, bwd + [[2, 3, 2, KIND_DKV, 0], [3, 2, 3, KIND_DKV, 0]]))
+    # wrong order: the child's partial reaches the proxy in the stage the proxy already sends home
+    with pytest.raises(PlanConsistencyError, match="does not forward it in a later stage"):
+        check_plan(_with_bwd(plan, bwd + [[3, 3, 2, KIND_DKV, 0], [3, 2, 0, KIND_DKV, 0]]))
+    # a well-ordered chain that the placement does not imply is still caught by the derivation
+    with pytest.raises(PlanConsistencyError, match="bwd schedule differs"):
+        check_plan(_with_bwd(plan, bwd + [[2, 3, 2, KIND_DKV, 0], [3, 2, 0, KIND_DKV, 0]]))
+    fwd = plan.schedule.fwd.clone()
+    # Q is never relayed (only KV): no such row is derivable, and check_plan names it
+    tiles_q_remote = (fwd[:, 3] == KIND_Q).nonzero()
+    assert tiles_q_remote.numel() == 0  # every tile sits on its q home in this plan: make one up
+    fake = torch.tensor([[1, 2, 1, KIND_Q, 1]], dtype=torch.int32)
+    sched = CommSchedule(fwd=torch.cat([fake, fwd])[np.lexsort(torch.cat([fake, fwd]).numpy().T[::-1])],
+                         bwd=plan.schedule.bwd, num_stages=plan.num_stages, world_size=plan.world_size)
+    with pytest.raises(PlanConsistencyError, match="Q transfer does not come from the block's home"):
+        check_plan(dataclasses.replace(plan, schedule=sched))
