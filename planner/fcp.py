@@ -74,23 +74,25 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     # with chunk 2k-1-i (zigzag inside the document), so a causal document's k pieces carry equal
     # compute and each needs only the KV before its two chunks. Other long segments are cut into
     # plain pieces that pack flexibly.
+    seg_cost = prefix[bounds[1:]] - prefix[bounds[:-1]]
+    group = np.maximum(np.ceil(seg_cost / (mean * bin_w) - SPLIT_SLACK), -(-np.diff(bounds) // int(cap.max())))
+    cost = prefix.tolist()
     heap = []
-    for seg, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
-        k = max(int(np.ceil((prefix[b] - prefix[a]) / (mean * bin_w) - SPLIT_SLACK)), -(-(b - a) // int(cap.max())))
+    for seg, (a, b, k) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), group.astype(np.int64).tolist())):
         if bin_ranks is None and k >= 2 and b - a >= 2 * k:  # node bins: plain pieces keep windows whole
-            cuts = np.linspace(a, b, 2 * k + 1).round().astype(np.int64)
-            pairs = [(int(cuts[i]), int(cuts[i + 1]), int(cuts[2 * k - 1 - i]), int(cuts[2 * k - i])) for i in range(k)]
-            cost = [prefix[e1] - prefix[s1] + prefix[e2] - prefix[s2] for s1, e1, s2, e2 in pairs]
+            cuts = np.linspace(a, b, 2 * k + 1).round().astype(np.int64).tolist()
+            pairs = [(cuts[i], cuts[i + 1], cuts[2 * k - 1 - i], cuts[2 * k - i]) for i in range(k)]
+            pair_cost = [cost[e1] - cost[s1] + cost[e2] - cost[s2] for s1, e1, s2, e2 in pairs]
             # only where pairing evens the pieces out (causal-like rows that grow along the segment)
-            if max(cost) <= (1 + PAIR_SLACK) * (prefix[b] - prefix[a]) / k:
-                heap.extend((-c, s1, e1, seg, s2, e2) for c, (s1, e1, s2, e2) in zip(cost, pairs))
+            if max(pair_cost) <= (1 + PAIR_SLACK) * (cost[b] - cost[a]) / k:
+                heap.extend((-c, s1, e1, seg, s2, e2) for c, (s1, e1, s2, e2) in zip(pair_cost, pairs))
                 continue
         for s in range(a, b, piece):
             e = min(b, s + piece)
-            heap.append((-(prefix[e] - prefix[s]), s, e, seg, e, e))
+            heap.append((-(cost[e] - cost[s]), s, e, seg, e, e))
     heapq.heapify(heap)
 
-    home = np.empty(nB, dtype=np.int64)
+    runs = []  # (start, end, bin) block runs, written into home once at the end
     # Plain Python lists: the loop touches one rank per piece, and for P <= a few hundred a list
     # min beats a numpy call. ratio = load per unit of weight, +inf once a bin is full.
     weights = weight.tolist()
@@ -100,7 +102,6 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     ranks = range(P)
     members = {n: [x for x in ranks if node[x] == n] for n in set(node.tolist())}
     node_of = node.tolist()
-    cost = prefix.tolist()
     seg_node, seg_ranks = {}, {}
     while heap:
         neg_cost, s, e, seg, s2, e2 = heapq.heappop(heap)
@@ -121,8 +122,7 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
                 heapq.heappush(heap, (-(cost[b] - cost[a]), a, b, seg, b, b))
             continue
         take = min(e - s, room[r])
-        home[s : s + take] = r
-        home[s2:e2] = r
+        runs += ((s, s + take, r), (s2, e2, r))
         room[r] -= take + (e2 - s2)
         load[r] += cost[s + take] - cost[s] + cost[e2] - cost[s2]
         ratio[r] = load[r] / weights[r] if room[r] > 0 else math.inf
@@ -130,7 +130,9 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
         seg_ranks.setdefault(seg, []).append(r)
         if s + take < e:
             heapq.heappush(heap, (-(cost[e] - cost[s + take]), s + take, e, seg, e, e))
-    return home
+    start, end, owner = np.array(runs, dtype=np.int64).reshape(-1, 3).T
+    order = np.argsort(start, kind="stable")  # the runs partition [0, nB)
+    return np.repeat(owner[order], (end - start)[order])
 
 
 def fcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
