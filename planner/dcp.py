@@ -36,6 +36,8 @@ blocks (``coarsen``) and mapped back, which keeps planning time near-linear in t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .balance import Balancer
@@ -108,20 +110,31 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     """DCP placement (see module docstring). ``init`` forces one initial data placement
     ("contiguous", "hierarchical", "zigzag", "fcp"); by default the candidates of SINGLE_NODE_INITS /
     MULTI_NODE_INITS are planned in turn and the fastest (simulated fwd + bwd time) is kept."""
+    sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size)
+    result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
+    if init is None and world_size > cost_model.topology.ranks_per_node:
+        # Checked at full resolution against the zigzag baseline, so "never slower than zigzag in the
+        # cost model" survives planning on merged blocks and the candidate preselection.
+        result = _scored(tiles, result, world_size, cost_model, sizes)
+        base, base_time = _place(tiles, world_size, "zigzag-ring", cost_model, max_stages, sizes)
+        if base_time < result.sim_time:
+            result = base
+    return result
+
+
+def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
+         init: str | None) -> Placement:
     factor = coarsening_factor(tiles, world_size)
     if factor > 1:
         coarse, of_fine = coarsen(tiles, factor)
-        plan = dcp(coarse, world_size, cost_model=cost_model, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                   head_dim=head_dim, element_size=element_size, max_stages=max_stages, init=init)
+        plan = _dcp(coarse, world_size, cost_model, max_stages, sizes, init)
         # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
         # inputs, so they are home / received by that stage; the schedule is derived afresh.
         fine = Placement(block_home=plan.block_home[np.arange(tiles.num_blocks) // factor],
                          tile_rank=plan.tile_rank[of_fine], tile_stage=plan.tile_stage[of_fine])
         # relays found on merged blocks do not carry over (the fine schedule is derived afresh)
         return add_relays(tiles, fine, world_size=world_size, cost_model=cost_model, max_stages=max_stages,
-                          sizes=dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                     element_size=element_size))
-    sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size)
+                          sizes=sizes)
     if init is not None:
         inits = [init]
     elif world_size <= cost_model.topology.ranks_per_node:
@@ -192,6 +205,34 @@ def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostMo
     raise ValueError(f"unknown dcp init {init!r}; choose contiguous, hierarchical, zigzag or fcp")
 
 
+def _scored(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, sizes: dict) -> Placement:
+    """``placement`` with its CommSchedule and simulated fwd + bwd time (computed if missing)."""
+    if placement.sim_time is not None and placement.schedule is not None:
+        return placement
+    stage, num_stages = compact_stages(placement.tile_stage)
+    home, rank = placement.block_home, placement.tile_rank
+    sched = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks, num_stages=num_stages,
+                            world_size=world_size, kv_relay=placement.kv_relay)
+    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
+    compute = np.bincount(rank * num_stages + stage, weights=flops / cost_model.fwd_rate,
+                          minlength=world_size * num_stages).reshape(world_size, num_stages)
+    comm = _comm_time(tiles, sched, world_size, num_stages, cost_model, sizes)
+    sim = (cost_model.overlapped_time(compute, comm["fwd"]).max()
+           + cost_model.overlapped_time(compute * cost_model.bwd_flops_factor, comm["bwd"]).max())
+    return replace(placement, tile_stage=stage, schedule=sched, sim_time=float(sim))
+
+
+def _comm_time(tiles: TileSet, sched, world_size: int, num_stages: int, cost_model: CostModel, sizes: dict) -> dict:
+    """{"fwd", "bwd"}: float64 [P, S + 1] transfer time per rank and stage (planner/cost_model.py)."""
+    comm = {}
+    for direction in ("fwd", "bwd"):
+        table = sched.table(direction).numpy().astype(np.int64)
+        block_len = np.minimum(tiles.block_size, tiles.total_len - table[:, 4] * tiles.block_size)
+        nbytes = payload_bytes(table[:, 3], block_len, **sizes)
+        comm[direction] = cost_model.stage_comm_time(table, nbytes, world_size, num_stages)
+    return comm
+
+
 def _place(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, max_stages: int,
            sizes: dict) -> tuple[Placement, float]:
     """One dcp placement from the given initial data placement, and its simulated fwd + bwd time."""
@@ -211,12 +252,7 @@ def _place(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, ma
         stage, num_stages = compact_stages(stage)
     sched = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks,
                             num_stages=num_stages, world_size=world_size)
-    comm = {}
-    for direction in ("fwd", "bwd"):
-        table = sched.table(direction).numpy().astype(np.int64)
-        block_len = np.minimum(tiles.block_size, tiles.total_len - table[:, 4] * tiles.block_size)
-        nbytes = payload_bytes(table[:, 3], block_len, **sizes)
-        comm[direction] = cost_model.stage_comm_time(table, nbytes, world_size, num_stages)
+    comm = _comm_time(tiles, sched, world_size, num_stages, cost_model, sizes)
     if num_stages > 1:
         local = (home[tiles.q] == rank) & (home[tiles.kv] == rank)
         # moving local tiles between stages changes no transfer, so the schedule stays valid
