@@ -182,3 +182,17 @@ def test_dcp_relays_a_shared_question_once_per_node():
     # a relay forwards over NVLink a block that crossed the slow link once, to its node
     assert np.all(topo.node_of(relayed[:, 1]) == topo.node_of(relayed[:, 2]))
     assert np.all(topo.node_of(relayed[:, 1]) != topo.node_of(home[relayed[:, 4]]))
+
+
+@pytest.mark.parametrize("world_size,ranks_per_node", [(4, 8), (6, 2), (12, 4)])
+def test_dcp_never_slower_than_the_zigzag_baselines(world_size, ranks_per_node):
+    # small batches with the default per-stage latency (fewer stages can win) and several nodes
+    # (planned on merged blocks, candidates preselected): dcp falls back to a baseline when it is faster
+    docs = _long_tail_docs(3, 8192)
+    topo = Topology(ranks_per_node=ranks_per_node)
+    small = dict(num_q_heads=8, num_kv_heads=2, head_dim=64)  # little compute per tile: latency matters
+    times = {}
+    for strategy in ("dcp", "zigzag", "allgather"):
+        s = make_plan(MaskSpec.documents(docs), world_size, strategy=strategy, topology=topo, **small).stats()
+        times[strategy] = s["sim_time_fwd"] + s["sim_time_bwd"]
+    assert times["dcp"] <= min(times["zigzag"], times["allgather"]) * (1 + 1e-9), times

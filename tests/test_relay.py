@@ -45,10 +45,16 @@ def _build(spec, tiles, placement, world_size, topology, strategy="dcp+relay"):
 
 def relayed_plans(spec, world_size, topology, block_size=None, max_stages=4):
     """(dcp plan, [every relayed candidate of it as a Plan], add_relays' choice as a Plan)."""
-    base = make_plan(spec, world_size, block_size=block_size, topology=topology, max_stages=max_stages, **HEADS)
-    tiles = TileSet.from_block_mask(spec.block_mask(base.block_size))
-    if base.kv_relay.numel():  # dcp relays by itself: compare against the same placement without relays
-        base = _build(spec, tiles, _placement_of(base), world_size, topology, strategy="dcp")
+    from blockattn.planner.dcp import _dcp
+
+    block_size = make_plan(spec, world_size, block_size=block_size, topology=topology, max_stages=max_stages,
+                           **HEADS).block_size
+    tiles = TileSet.from_block_mask(spec.block_mask(block_size))
+    # dcp's own placement (make_plan may return a baseline when that simulates faster), without relays
+    own = _dcp(tiles, world_size, CostModel(topology=topology), max_stages, SIZES, None)
+    own = Placement(own.block_home, own.tile_rank, own.tile_stage,
+                    schedule=own.schedule if own.kv_relay is None or len(own.kv_relay) == 0 else None)
+    base = _build(spec, tiles, own, world_size, topology, strategy="dcp")
     kw = dict(world_size=world_size, cost_model=base.cost_model, max_stages=max_stages, sizes=SIZES)
     _, variants = relay_variants(tiles, _placement_of(base), **kw)
     chosen = add_relays(tiles, _placement_of(base), **kw)
