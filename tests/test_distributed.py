@@ -107,31 +107,30 @@ def relay_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_d
     """dcp's plan with node-level KV relays (planner/relay.py) on a slow inter-node link, where they pay off."""
     import numpy as np
 
-    from blockattn.planner import Topology, check_plan, make_plan
+    from blockattn.planner import CostModel, Topology, check_plan
+    from blockattn.planner import dcp as dcp_module
     from blockattn.planner.api import build_plan
     from blockattn.planner.placement import Placement
     from blockattn.planner.relay import add_relays
     from blockattn.planner.tiles import TileSet
 
-    from blockattn.planner import clear_plan_cache
-    from blockattn.planner import dcp as dcp_module
-
     kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    topology = Topology(ranks_per_node=ranks_per_node, inter_bw=inter_bw)
-    # dcp's placement before relays (dcp adds them itself), so the test can count delayed tiles
+    sizes = dict(kw, element_size=torch.empty((), dtype=dtype).element_size())
+    cost_model = CostModel(topology=Topology(ranks_per_node=ranks_per_node, inter_bw=inter_bw))
+    tiles = TileSet.from_block_mask(spec.block_mask(block_size))
+    # dcp's own balanced placement before relays (make_plan adds relays itself, and on batches this
+    # small may return a baseline placement instead), so the test can count delayed tiles
     with_relays = dcp_module.add_relays
     dcp_module.add_relays = lambda tiles, placement, **_: placement
     try:
-        clear_plan_cache()
-        base = make_plan(spec, world, dtype=dtype, block_size=block_size, topology=topology, **kw)
+        own = dcp_module._dcp(tiles, world, cost_model, 4, sizes, None)
     finally:
         dcp_module.add_relays = with_relays
-        clear_plan_cache()
-    tiles = TileSet.from_block_mask(spec.block_mask(block_size))
+    base = build_plan(tiles, Placement(own.block_home, own.tile_rank, own.tile_stage), strategy="dcp",
+                      world_size=world, dtype=dtype, mask_signature=spec.signature(), cost_model=cost_model, **kw)
     as64 = lambda t: t.numpy().astype(np.int64)  # noqa: E731
     placement = add_relays(tiles, Placement(as64(base.block_home), as64(base.tile_rank), as64(base.tile_stage)),
-                           world_size=world, cost_model=base.cost_model, max_stages=4,
-                           sizes=dict(kw, element_size=torch.empty((), dtype=dtype).element_size()))
+                           world_size=world, cost_model=cost_model, max_stages=4, sizes=sizes)
     plan = build_plan(tiles, placement, strategy="dcp+relay", world_size=world, dtype=dtype,
                       mask_signature=spec.signature(), cost_model=base.cost_model, **kw)
     check_plan(plan)
