@@ -44,7 +44,7 @@ from .balance import Balancer
 from .cost_model import CostModel
 from .placement import Placement, balanced_bounds, compact_stages, runs_to_home
 from .relay import add_relays
-from .schedule import derive_schedule, payload_bytes
+from .schedule import derive_schedule, row_bytes
 from .stages import assign_stages, spread_local_tiles
 from .tiles import TileSet, coarsen
 
@@ -152,11 +152,12 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     if len(inits) > len(SINGLE_NODE_INITS):
         inits = _preselect(tiles, world_size, inits, cost_model, max_stages, sizes)
     best, best_time = None, np.inf
+    good_enough = GOOD_ENOUGH * _lower_bound(tiles, world_size, cost_model, sizes)
     for name in inits:
         placement, sim_time = _place(tiles, world_size, name, cost_model, max_stages, sizes)
         if sim_time < best_time:
             best, best_time = placement, sim_time
-        if best_time <= GOOD_ENOUGH * _lower_bound(tiles, world_size, cost_model, sizes):
+        if best_time <= good_enough:
             break  # cannot gain more than a few percent: skip the other candidates
     return best
 
@@ -222,22 +223,28 @@ def _scored(tiles: TileSet, placement: Placement, world_size: int, cost_model: C
     sched = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks, num_stages=num_stages,
                             world_size=world_size, kv_relay=placement.kv_relay)
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
+    comm = _comm_time(tiles, sched, world_size, num_stages, cost_model, sizes)
+    sim = _sim_time(flops, rank, stage, world_size, num_stages, comm, cost_model)
+    return replace(placement, tile_stage=stage, schedule=sched, sim_time=sim)
+
+
+def _sim_time(flops: np.ndarray, rank: np.ndarray, stage: np.ndarray, world_size: int, num_stages: int,
+              comm: dict, cost_model: CostModel) -> float:
+    """Simulated forward + backward time: the slowest rank of each (planner/cost_model.py)."""
     compute = np.bincount(rank * num_stages + stage, weights=flops / cost_model.fwd_rate,
                           minlength=world_size * num_stages).reshape(world_size, num_stages)
-    comm = _comm_time(tiles, sched, world_size, num_stages, cost_model, sizes)
-    sim = (cost_model.overlapped_time(compute, comm["fwd"]).max()
-           + cost_model.overlapped_time(compute * cost_model.bwd_flops_factor, comm["bwd"]).max())
-    return replace(placement, tile_stage=stage, schedule=sched, sim_time=float(sim))
+    fwd, bwd = cost_model.step_times(compute, comm["fwd"], comm["bwd"])
+    return float(fwd.max() + bwd.max())
 
 
 def _comm_time(tiles: TileSet, sched, world_size: int, num_stages: int, cost_model: CostModel, sizes: dict) -> dict:
     """{"fwd", "bwd"}: float64 [P, S + 1] transfer time per rank and stage (planner/cost_model.py)."""
     comm = {}
+    block_len = tiles.block_lengths()
     for direction in ("fwd", "bwd"):
         table = sched.table(direction).numpy().astype(np.int64)
-        block_len = np.minimum(tiles.block_size, tiles.total_len - table[:, 4] * tiles.block_size)
-        nbytes = payload_bytes(table[:, 3], block_len, **sizes)
-        comm[direction] = cost_model.stage_comm_time(table, nbytes, world_size, num_stages)
+        comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), world_size,
+                                                     num_stages)
     return comm
 
 
@@ -266,11 +273,8 @@ def _place(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, ma
         # moving local tiles between stages changes no transfer, so the schedule stays valid
         stage = spread_local_tiles(stage, flops, rank, local, comm["fwd"], world_size=world_size,
                                    num_stages=num_stages, fwd_rate=cost_model.fwd_rate)
-    compute = np.bincount(rank * num_stages + stage, weights=flops / cost_model.fwd_rate,
-                          minlength=world_size * num_stages).reshape(world_size, num_stages)
-    sim = (cost_model.overlapped_time(compute, comm["fwd"]).max()
-           + cost_model.overlapped_time(compute * cost_model.bwd_flops_factor, comm["bwd"]).max())
-    placement = Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched, sim_time=float(sim))
+    sim = _sim_time(flops, rank, stage, world_size, num_stages, comm, cost_model)
+    placement = Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched, sim_time=sim)
     # several nodes: hot KV blocks cross each inter-node link once and fan out over NVLink
     placement = add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
                            max_stages=max_stages, sizes=sizes)

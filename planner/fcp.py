@@ -37,9 +37,9 @@ from .tiles import TileSet
 SEGMENT_CUT = 2  # a boundary crossed by at most this many tiles separates two segments
 PIECES_PER_RANK = 4  # long segments are cut into pieces of cap / 4 blocks
 SEGMENT_AFFINITY = 0.25  # a rank already holding the segment is preferred within 25% of M of the least loaded
-NODE_AFFINITY = 0.10
+NODE_AFFINITY = 0.10  # else a rank on the segment's node is preferred within 10% of M
 PAIR_SLACK = 0.1  # zigzag pairs are used when the heaviest is within 10% of the segment's mean piece
-SPLIT_SLACK = 0.1  # a segment up to 10% heavier than a rank's share stays on one rank (the balancer trims it)  # else a rank on the segment's node is preferred within 10% of M
+SPLIT_SLACK = 0.1  # a segment up to 10% heavier than a rank's share stays on one rank (the balancer trims it)
 
 
 def segments(tiles: TileSet) -> np.ndarray:

@@ -170,13 +170,15 @@ class Plan:
         tokens = [self.local_len(r) for r in range(P)]
         result = {"strategy": self.strategy, "world_size": P, "num_stages": S, "tokens": tokens,
                   "flops_fwd": np.bincount(rank, weights=flops, minlength=P).tolist()}
-        for direction, factor in (("fwd", 1.0), ("bwd", cm.bwd_flops_factor)):
+        comm = {}
+        for direction in ("fwd", "bwd"):
             table = self.schedule.table(direction).numpy().astype(np.int64)
             nbytes = self.transfer_bytes(direction)
             result[f"bytes_sent_{direction}"] = np.bincount(table[:, 1], weights=nbytes, minlength=P).astype(np.int64).tolist()
             result[f"bytes_recv_{direction}"] = np.bincount(table[:, 2], weights=nbytes, minlength=P).astype(np.int64).tolist()
-            comm = cm.stage_comm_time(table, nbytes, P, S)
-            per_rank = cm.overlapped_time(compute * factor, comm)
+            comm[direction] = cm.stage_comm_time(table, nbytes, P, S)
+        times = cm.step_times(compute, comm["fwd"], comm["bwd"])
+        for direction, factor, per_rank in zip(("fwd", "bwd"), (1.0, cm.bwd_flops_factor), times):
             result[f"sim_time_{direction}_per_rank"] = per_rank.tolist()
             result[f"sim_time_{direction}"] = float(per_rank.max()) if P else 0.0
             result[f"lower_bound_{direction}"] = float(flops.sum()) * factor / (P * cm.fwd_rate)

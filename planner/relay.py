@@ -35,8 +35,8 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages
-from .schedule import (KIND_DKV, KIND_DQ, KIND_KV, KIND_Q, CommSchedule, as_relay_table, payload_bytes,
-                       receive_groups, schedule_rows)
+from .schedule import (KIND_DKV, KIND_DQ, KIND_KV, KIND_Q, CommSchedule, as_relay_table, receive_groups,
+                       row_bytes, schedule_rows)
 from .tiles import TileSet
 
 
@@ -204,12 +204,10 @@ class _Scorer:
 
     def _score(self, rows, compute: np.ndarray, num_stages: int):
         """(fwd + bwd time, fwd per rank, bwd per rank) of (fwd, bwd) schedule rows in any order."""
-        per_rank = []
-        for table, factor in zip(rows, (1.0, self.cm.bwd_flops_factor)):
-            nbytes = payload_bytes(table[:, 3], self.block_len[table[:, 4]], **self.sizes)
-            comm = self.cm.stage_comm_time(table, nbytes, self.P, num_stages)
-            per_rank.append(self.cm.overlapped_time(compute * factor, comm))
-        return float(per_rank[0].max() + per_rank[1].max()), per_rank[0], per_rank[1]
+        comm = [self.cm.stage_comm_time(table, row_bytes(table, self.block_len, **self.sizes), self.P, num_stages)
+                for table in rows]
+        fwd, bwd = self.cm.step_times(compute, *comm)
+        return float(fwd.max() + bwd.max()), fwd, bwd
 
     def base(self, schedule=None) -> float:
         """The input placement's time (its schedule derived unless given)."""

@@ -69,6 +69,11 @@ def payload_bytes(kind, block_len, *, num_q_heads: int, num_kv_heads: int, head_
     return np.where(valid, per_token[np.where(valid, kind, 0)] * rows, -1)
 
 
+def row_bytes(rows: np.ndarray, block_len: np.ndarray, **sizes) -> np.ndarray:
+    """Payload bytes of int64 schedule rows ``[m, 5]``; ``block_len``: valid tokens of every block."""
+    return payload_bytes(rows[:, 3], block_len[rows[:, 4]], **sizes)
+
+
 @dataclass(frozen=True, eq=False)
 class CommSchedule:
     """Forward and backward transfer tables of a Plan (see module docstring)."""
