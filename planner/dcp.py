@@ -9,8 +9,10 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
    * "contiguous": P equal-token contiguous runs of blocks, each cut nudged by at most
      ``CUT_SLACK`` of a run to the boundary crossed by the fewest tiles, so documents stay whole
      where a cheap cut exists and long documents are split over neighbouring ranks (same node);
-   * "hierarchical" (several nodes): FCP packing of documents onto nodes (compute and memory in
-     proportion to each node's ranks), then contiguous runs inside each node;
+   * "hierarchical" / "hierarchical-fcp" (several nodes): FCP packing of documents onto nodes
+     (compute and memory in proportion to each node's ranks; a document that fits a node stays
+     whole, a heavier one is cut into as many contiguous parts as pay for the KV its cuts send over
+     the inter-node links), then contiguous runs / FCP packing onto the ranks inside each node;
    * "fcp" (planner/fcp.py) or "zigzag" (planner/baselines.py) placements.
 2. Tile placement (compute, planner/balance.py): every tile starts on its q-block's home (reads
    remote KV only, no OUT partial). Overloaded ranks then shed q-rows to the kv-homes (only Q and
@@ -26,11 +28,13 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
 
 No initial placement dominates (measured over the benchmark batches: on one node "fcp" and
 "contiguous" reach the same time, fcp with 40-60% fewer bytes on Wikipedia batches, more on long
-documents; on several nodes any of the five wins somewhere), so dcp plans the candidates in turn
+documents; on several nodes each of the five candidates wins somewhere), so dcp plans them in turn
 and keeps the one with the lowest simulated forward + backward time, stopping early once a plan
 is within 5% of the lower bound. With more than two candidates they are first ranked on 2x-merged
 blocks and only the best two are planned at full resolution. On several nodes the plain zigzag
-baseline ("zigzag-ring") is a candidate too, so dcp is never slower than it in the cost model. Batches with many tiles are planned on merged
+baseline ("zigzag-ring") is a candidate too, and the final plan is checked against both baselines
+at full resolution (skipped for a baseline ``BASELINE_MARGIN`` slower on the merged blocks), so
+dcp is never slower than them in the cost model. Batches with many tiles are planned on merged
 blocks (``coarsen``) and mapped back, which keeps planning time near-linear in the batch.
 """
 
@@ -44,7 +48,7 @@ from .balance import Balancer
 from .cost_model import CostModel
 from .placement import Placement, balanced_bounds, compact_stages, runs_to_home
 from .relay import add_relays
-from .schedule import derive_schedule, row_bytes
+from .schedule import KIND_KV, derive_schedule, payload_bytes, row_bytes
 from .stages import assign_stages, spread_local_tiles
 from .tiles import TileSet, coarsen
 
@@ -52,9 +56,10 @@ CUT_SLACK = 0.03  # a run boundary may move by up to 3% of a run to find a cheap
 # Initial data placements tried, in order of how often each won in bench/bench_planner.py runs; the
 # first plan within GOOD_ENOUGH of the lower bound (fwd + bwd) is kept without trying the rest.
 SINGLE_NODE_INITS = ("fcp", "contiguous")
-MULTI_NODE_INITS = ("hierarchical", "zigzag", "fcp", "contiguous", "zigzag-ring")
+MULTI_NODE_INITS = ("hierarchical", "hierarchical-fcp", "zigzag", "fcp", "zigzag-ring")
 BASELINE_INITS = ("zigzag-ring", "zigzag-allgather")  # planner/baselines.py zigzag and allgather as they are
 GOOD_ENOUGH = 1.05
+BASELINE_MARGIN = 1.25  # a baseline this much slower on merged blocks is not re-planned at full resolution
 # Large batches are planned on merged blocks (2x2, 4x4, ... tiles) while that keeps >= 32 merged
 # blocks per rank (memory balance within ~3%); the result is mapped back to the real blocks.
 COARSE_TILE_LIMIT = 16384
@@ -85,11 +90,13 @@ def contiguous_cut_home(tiles: TileSet, world_size: int) -> np.ndarray:
 
 
 def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int,
-                      head_dim: int) -> np.ndarray:
-    """Across nodes, FCP packing (segments and pieces of long ones, LPT by compute with memory
-    capacity) so that every node gets its share of compute and memory and inter-node links carry
-    only the KV of documents split across nodes; inside a node, equal-token contiguous runs (cheap
-    NVLink traffic, rebalanced by the tile placement). One node: ``contiguous_cut_home``."""
+                      head_dim: int, inner: str = "contiguous", kv_bytes: np.ndarray | None = None) -> np.ndarray:
+    """Across nodes, FCP packing (whole segments, contiguous parts of heavy ones, LPT by compute with
+    memory capacity) so that every node gets its share of compute and memory and inter-node links
+    carry only the KV of documents split across nodes; inside a node, ``inner`` = "contiguous"
+    (equal-token runs) or "fcp" (planner/fcp.py on the node's own blocks), rebalanced over NVLink by
+    the tile placement. ``kv_bytes`` [nB] (each block's KV payload) makes the node packing weigh a
+    split's inter-node KV against the compute it evens out. One node: ``contiguous_cut_home``."""
     rpn = cost_model.topology.ranks_per_node
     if world_size <= rpn:
         return contiguous_cut_home(tiles, world_size)
@@ -97,12 +104,21 @@ def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel,
 
     node_ranks = np.bincount(np.arange(world_size) // rpn)
     node = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
-                    bin_ranks=node_ranks)
+                    bin_ranks=node_ranks, kv_bytes=kv_bytes if inner == "fcp" else None,
+                    contiguous_parts=inner == "fcp")
     home = np.empty(tiles.num_blocks, dtype=np.int64)
+    local = np.full(tiles.num_blocks, -1, dtype=np.int64)
+    inside = node[tiles.q] == node[tiles.kv]  # a node's own sub-batch (tiles across nodes stay as placed)
     for n, ranks in enumerate(node_ranks.tolist()):
         blocks = np.flatnonzero(node == n)
-        runs = runs_to_home(balanced_bounds(blocks.size, ranks), np.arange(ranks), blocks.size)
-        home[blocks] = n * rpn + runs
+        local[blocks] = np.arange(blocks.size)
+        sel = inside & (node[tiles.q] == n)
+        sub = TileSet(total_len=blocks.size * tiles.block_size, block_size=tiles.block_size, num_blocks=blocks.size,
+                      q=local[tiles.q[sel]], kv=local[tiles.kv[sel]], full=tiles.full[sel], pairs=tiles.pairs[sel])
+        if inner == "fcp":
+            home[blocks] = n * rpn + fcp_home(sub, ranks, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
+        else:
+            home[blocks] = n * rpn + runs_to_home(balanced_bounds(blocks.size, ranks), np.arange(ranks), blocks.size)
     return home
 
 
@@ -123,7 +139,14 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     if one_node and result.sim_time <= GOOD_ENOUGH * _lower_bound(
             tiles, world_size, cost_model, sizes):
         return result  # one node, near the bound: nothing to gain
+    factor = coarsening_factor(tiles, world_size)
     for name in BASELINE_INITS:
+        if factor > 1:
+            # A baseline's time barely depends on the block size (the same chunks, merged): one that is
+            # far slower on the merged blocks is not worth planning at full resolution.
+            coarse_time = _place(coarsen(tiles, factor)[0], world_size, name, cost_model, max_stages, sizes)[1]
+            if coarse_time > BASELINE_MARGIN * result.sim_time:
+                continue
         base, base_time = _place(tiles, world_size, name, cost_model, max_stages, sizes)
         if base_time < result.sim_time:
             result = base
@@ -197,12 +220,14 @@ def coarsening_factor(tiles: TileSet, world_size: int) -> int:
     return factor
 
 
-def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, num_q_heads: int,
-                  head_dim: int) -> np.ndarray:
+def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, sizes: dict) -> np.ndarray:
+    num_q_heads, head_dim = sizes["num_q_heads"], sizes["head_dim"]
     if init == "contiguous":
         return contiguous_cut_home(tiles, world_size)
-    if init == "hierarchical":
-        return hierarchical_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
+    if init in ("hierarchical", "hierarchical-fcp"):
+        return hierarchical_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
+                                 inner="fcp" if init == "hierarchical-fcp" else "contiguous",
+                                 kv_bytes=payload_bytes(KIND_KV, tiles.block_lengths(), **sizes).astype(np.float64))
     if init == "zigzag":
         from .baselines import zigzag_home
 
@@ -259,7 +284,7 @@ def _place(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, ma
         home, rank = base.block_home, base.tile_rank
         stage, num_stages = compact_stages(base.tile_stage)
     else:
-        home = _initial_home(tiles, world_size, init, cost_model, sizes["num_q_heads"], sizes["head_dim"])
+        home = _initial_home(tiles, world_size, init, cost_model, sizes)
         rank = Balancer(tiles, home, flops / cost_model.fwd_rate, world_size, cost_model.topology, **sizes).run()
         stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
                               total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,

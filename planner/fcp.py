@@ -12,6 +12,12 @@ Notation (docs/design.md): nB blocks, P ranks, tile (qb, kb); M = mean per-rank 
    inside the document) when that evens the pieces out (rows that grow along a causal document),
    so each group member gets equal compute and reads only the KV before its chunks. Other
    segments longer than ``cap / PIECES_PER_RANK`` blocks are cut into pieces of that size.
+   With node bins (``bin_ranks``, the dcp "hierarchical" placements) a segment that fits a node
+   stays whole, and a heavier one is cut into k contiguous compute-balanced parts, k chosen by the
+   cost model between what memory needs and what compute asks: the estimated time
+   max(compute per rank, KV read across the busiest cut / inter-node bandwidth), so a document a
+   little heavier than a node stays on one node when splitting it would move more KV over the slow
+   link than the compute it saves (``kv_read_across``).
 3. Packing (polynomial, LPT with capacity): pieces by decreasing compute, each to the least loaded
    rank that still has memory room (a piece larger than the room is split and the rest re-queued);
    pieces of an already placed segment prefer that segment's node when it is nearly as idle.
@@ -49,10 +55,30 @@ def segments(tiles: TileSet) -> np.ndarray:
     return np.r_[0, cuts, tiles.num_blocks].astype(np.int64)
 
 
+def kv_read_across(tiles: TileSet, kv_bytes: np.ndarray) -> np.ndarray:
+    """float64 [nB + 1]: for boundary j, the KV bytes on one side of it read by q-blocks on the other
+    (what a cut there sends, each block once); ``kv_bytes`` [nB] is each block's KV payload."""
+    nB = tiles.num_blocks
+    hi = np.arange(nB)
+    lo = np.arange(nB)
+    np.maximum.at(hi, tiles.kv, tiles.q)  # latest q-block reading each kv-block
+    np.minimum.at(lo, tiles.kv, tiles.q)  # earliest one (masks that look ahead)
+    # block b is read across every boundary j with lo[b] < j <= hi[b]
+    diff = np.bincount(lo + 1, weights=kv_bytes, minlength=nB + 2) - np.bincount(hi + 1, weights=kv_bytes,
+                                                                                minlength=nB + 2)
+    return np.cumsum(diff)[: nB + 1]
+
+
 def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, head_dim: int,
-             bin_ranks: np.ndarray | None = None) -> np.ndarray:
+             bin_ranks: np.ndarray | None = None, kv_bytes: np.ndarray | None = None,
+             contiguous_parts: bool = False) -> np.ndarray:
     """Bin of every block (see module docstring, steps 1-3). Bins are ranks by default; with
-    ``bin_ranks`` (ranks per bin, e.g. per node) bin i gets memory and compute in proportion."""
+    ``bin_ranks`` (ranks per bin, e.g. per node) bin i gets memory and compute in proportion, and
+    with ``kv_bytes`` (each block's KV payload) a segment heavier than a bin's compute share is
+    spread over only as many bins as pays for the KV its cuts send over the inter-node links, in
+    contiguous parts; ``contiguous_parts`` cuts segments longer than a bin's memory that way too
+    (else into plain pieces, which pack more flexibly: better for causal_blockwise, worse for
+    shared_question batches over the benchmark cases, so the dcp candidates use both)."""
     nB = tiles.num_blocks
     weight = np.ones(world_size) if bin_ranks is None else np.asarray(bin_ranks, dtype=np.float64)
     P = weight.size
@@ -75,10 +101,21 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     # compute and each needs only the KV before its two chunks. Other long segments are cut into
     # plain pieces that pack flexibly.
     seg_cost = prefix[bounds[1:]] - prefix[bounds[:-1]]
-    group = np.maximum(np.ceil(seg_cost / (mean * bin_w) - SPLIT_SLACK), -(-np.diff(bounds) // int(cap.max())))
+    k_mem = -(-np.diff(bounds) // int(cap.max()))
+    group = np.maximum(np.ceil(seg_cost / (mean * bin_w) - SPLIT_SLACK), k_mem).astype(np.int64)
+    node_cuts = {}  # segment -> contiguous cuts of a heavy segment spread over node bins
+    if bin_ranks is not None and kv_bytes is not None:
+        across = kv_read_across(tiles, kv_bytes)
+        for seg in np.flatnonzero((group > k_mem) | ((group >= 2) & contiguous_parts)).tolist():
+            group[seg], node_cuts[seg] = _node_group(prefix, across, bounds[seg], bounds[seg + 1], int(k_mem[seg]),
+                                                     int(group[seg]), mean, bin_w, cost_model)
     cost = prefix.tolist()
     heap = []
-    for seg, (a, b, k) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), group.astype(np.int64).tolist())):
+    for seg, (a, b, k) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), group.tolist())):
+        if seg in node_cuts:  # contiguous parts: each node reads only the KV before its part
+            cuts = node_cuts[seg]
+            heap.extend((-(cost[e] - cost[s]), s, e, seg, e, e) for s, e in zip(cuts[:-1], cuts[1:]))
+            continue
         if bin_ranks is None and k >= 2 and b - a >= 2 * k:  # node bins: plain pieces keep windows whole
             cuts = np.linspace(a, b, 2 * k + 1).round().astype(np.int64).tolist()
             pairs = [(cuts[i], cuts[i + 1], cuts[2 * k - 1 - i], cuts[2 * k - i]) for i in range(k)]
@@ -87,8 +124,10 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
             if max(pair_cost) <= (1 + PAIR_SLACK) * (cost[b] - cost[a]) / k:
                 heap.extend((-c, s1, e1, seg, s2, e2) for c, (s1, e1, s2, e2) in zip(pair_cost, pairs))
                 continue
-        for s in range(a, b, piece):
-            e = min(b, s + piece)
+        # node bins: a segment that fits one node stays whole (a split across nodes costs a slow link)
+        step = b - a if bin_ranks is not None and k <= 1 else piece
+        for s in range(a, b, step):
+            e = min(b, s + step)
             heap.append((-(cost[e] - cost[s]), s, e, seg, e, e))
     heapq.heapify(heap)
 
@@ -103,9 +142,13 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     members = {n: [x for x in ranks if node[x] == n] for n in set(node.tolist())}
     node_of = node.tolist()
     seg_node, seg_ranks = {}, {}
+    idle = [(x, r) for r, x in enumerate(ratio)]  # (ratio, rank) min-heap, stale entries skipped lazily
+    heapq.heapify(idle)
     while heap:
         neg_cost, s, e, seg, s2, e2 = heapq.heappop(heap)
-        r = min(ranks, key=ratio.__getitem__)
+        while idle[0][0] != ratio[idle[0][1]]:
+            heapq.heappop(idle)
+        r = idle[0][1]  # least loaded (ties: lowest rank)
         # Prefer ranks already holding this segment (their KV is local), then its node, when nearly
         # as idle as the least loaded rank: fewer, nearer KV transfers for the same balance.
         for affinity, near in ((SEGMENT_AFFINITY, seg_ranks.get(seg, ())),
@@ -126,6 +169,7 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
         room[r] -= take + (e2 - s2)
         load[r] += cost[s + take] - cost[s] + cost[e2] - cost[s2]
         ratio[r] = load[r] / weights[r] if room[r] > 0 else math.inf
+        heapq.heappush(idle, (ratio[r], r))
         seg_node.setdefault(seg, node_of[r])
         seg_ranks.setdefault(seg, []).append(r)
         if s + take < e:
@@ -133,6 +177,25 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     start, end, owner = np.array(runs, dtype=np.int64).reshape(-1, 3).T
     order = np.argsort(start, kind="stable")  # the runs partition [0, nB)
     return np.repeat(owner[order], (end - start)[order])
+
+
+def _node_group(prefix: np.ndarray, across: np.ndarray, a: int, b: int, k_min: int, k_max: int, mean: float,
+                bin_w: float, cost_model: CostModel) -> tuple[int, list]:
+    """(k, cuts): the number of node bins for segment [a, b) and its k compute-balanced contiguous
+    parts. k minimizes the estimated time max(compute per rank, KV received over one node's NIC at
+    the busiest cut); a segment a little heavier than a node stays on one node when splitting it
+    would send more KV than the compute it saves."""
+    best = None
+    for k in range(max(1, k_min), k_max + 1):
+        targets = prefix[a] + (prefix[b] - prefix[a]) * np.arange(1, k) / k
+        inner = np.clip(np.searchsorted(prefix, targets), a + 1, b - 1) if b - a > 1 else np.zeros(0, np.int64)
+        cuts = [a] + sorted(set(inner.tolist())) + [b]
+        compute = max(mean, (prefix[b] - prefix[a]) / (k * bin_w)) / cost_model.fwd_rate
+        transfer = float(across[cuts[1:-1]].max()) / cost_model.topology.inter_bw if len(cuts) > 2 else 0.0
+        t = max(compute, transfer)
+        if best is None or t < best[0]:
+            best = (t, len(cuts) - 1, cuts)
+    return best[1], best[2]
 
 
 def fcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,

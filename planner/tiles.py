@@ -17,6 +17,7 @@ import numpy as np
 
 # BlockMask -> TileSet, so planning the same mask for several world sizes / strategies converts once.
 _from_block_mask_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_coarsen_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # TileSet -> {factor: coarsen()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,8 +80,16 @@ def coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
     """Merge ``factor`` x ``factor`` blocks into one (block size ``factor * B``) for faster planning.
 
     Returns the coarse TileSet (pairs summed; ``full`` only when every merged tile is full and all
-    ``factor**2`` exist) and, for every fine tile, the index of its coarse tile.
+    ``factor**2`` exist) and, for every fine tile, the index of its coarse tile. Cached per TileSet
+    and factor (the dcp candidates and its final baseline check merge the same batch).
     """
+    per_tiles = _coarsen_cache.setdefault(tiles, {})
+    if factor not in per_tiles:
+        per_tiles[factor] = _coarsen(tiles, factor)
+    return per_tiles[factor]
+
+
+def _coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
     nbc = -(-tiles.num_blocks // factor)
     qc, kc = tiles.q // factor, tiles.kv // factor
     # Dense presence table over each coarse row's kv span only (tiles are sorted by q, so a coarse
