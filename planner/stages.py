@@ -22,8 +22,12 @@ from .schedule import KIND_KV, KIND_Q, payload_bytes
 
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
                   block_size: int, total_len: int, world_size: int, cost_model: CostModel, max_stages: int,
-                  num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int) -> np.ndarray:
-    """int64 [ntiles] stage of every tile (see module docstring)."""
+                  num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int,
+                  budget_scale: float = 1.0) -> np.ndarray:
+    """int64 [ntiles] stage of every tile (see module docstring). ``budget_scale`` > 1 lets each stage's
+    transfers exceed the compute hiding them by that factor (items front-loaded into fewer, earlier
+    stages), which leaves the last stages lighter for the transfers this per-receiver rule cannot
+    see: other ranks' requests and the partials returning to this rank."""
     n = q.size
     stage = np.zeros(n, dtype=np.int64)
     remote_q = home[q] != rank
@@ -81,7 +85,7 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
                 end = hi
             else:
                 # largest prefix whose transfer time fits the budget (at least one item)
-                end = int(np.searchsorted(cum_time, cum_time[begin] + budget, side="right")) - 1
+                end = int(np.searchsorted(cum_time, cum_time[begin] + budget * budget_scale, side="right")) - 1
                 end = min(hi, max(end, begin + 1))
             item_stage[order[begin:end]] = s
             # compute unlocked by this stage's items hides the next stage's transfers

@@ -246,3 +246,34 @@ def test_node_packing_splits_a_heavy_document_only_when_the_link_pays(inter_bw, 
     # every node keeps its memory share (one block of slack)
     tokens = np.bincount(cost_model.topology.node_of(home), minlength=4)
     assert tokens.max() <= -(-tiles.num_blocks // 8) * 2, tokens
+
+
+def test_front_loaded_stages_receive_earlier_and_stay_valid():
+    # budget_scale > 1 lets a stage's transfers exceed the compute hiding them: every rank receives
+    # at least as many of its (identically ordered) items in stage 1, and the plan stays consistent
+    from blockattn.planner import check_plan
+    from blockattn.planner.api import build_plan
+    from blockattn.planner.placement import Placement
+    from blockattn.planner.stages import assign_stages
+    from blockattn.planner.tiles import TileSet
+
+    spec = MaskSpec.documents(_long_tail_docs(11, 24_000))
+    topo = Topology(ranks_per_node=2)
+    cost_model = CostModel(topology=topo)
+    plan = make_plan(spec, 6, block_size=128, topology=topo, **HEADS)
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    home, rank = plan.block_home.numpy().astype(np.int64), plan.tile_rank.numpy().astype(np.int64)
+    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=32, head_dim=128)
+    args = dict(block_size=128, total_len=plan.total_len, world_size=6, cost_model=cost_model, max_stages=4,
+                element_size=2, **HEADS)
+    plain = assign_stages(tiles.q, tiles.kv, flops, rank, home, **args)
+    front = assign_stages(tiles.q, tiles.kv, flops, rank, home, budget_scale=2.0, **args)
+    remote = (home[tiles.q] != rank) | (home[tiles.kv] != rank)
+    assert remote.any() and front.max() <= 4
+    for r in range(6):
+        mine = remote & (rank == r)
+        assert np.count_nonzero(front[mine] <= 1) >= np.count_nonzero(plain[mine] <= 1), r
+    restaged = build_plan(tiles, Placement(block_home=home, tile_rank=rank, tile_stage=front), strategy="dcp",
+                          world_size=6, dtype=torch.bfloat16, mask_signature=plan.mask_signature,
+                          cost_model=cost_model, **HEADS)
+    check_plan(restaged)
