@@ -2,16 +2,18 @@
 
 The compressed lists follow FlexAttention's BlockMask: per q-block the FULL and PARTIAL kv-blocks
 (forward, dQ), and the transposed per-kv-block lists (dK/dV), here in CSR form. Structured masks
-are classified analytically from their per-row key intervals with difference arrays over the
-block grid, so the cost is O(T + nB^2) and never O(T^2); masks given only as a ``mask_mod`` are
-evaluated in row chunks and keep a bitmask for each partial tile.
+are classified analytically from their per-row key intervals: a few vectorised passes over the
+rows cut them into pieces along which every bound is constant or grows by one per row, and tile
+states and partial-tile pair counts follow from the pieces in closed form, so the cost is
+O(T + pieces + tiles) and never O(T^2); masks given only as a ``mask_mod`` are evaluated in row
+chunks and keep a bitmask for each partial tile.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -58,22 +60,23 @@ class BlockMask:
         nB = -(-T // B)
         iv = spec.row_intervals()
         if iv is not None:
-            runs = _classify_intervals(iv.numpy().astype(np.int64), T, B, nB)
-            bits = None
+            pieces = _row_pieces(iv.numpy(), T, B, nB)
+            runs, bits = _classify_intervals(pieces, T, B, nB), None
         else:
+            pieces = None
             *runs, bits = _classify_mask_mod(spec, T, B, nB)
-        return cls._from_runs(T, B, nB, *runs, iv, bits)
+        return cls._from_runs(T, B, nB, *runs, iv, pieces, bits)
 
     @classmethod
-    def _from_runs(cls, T, B, nB, r_qb, r_k0, r_len, r_state, iv, bits) -> "BlockMask":
+    def _from_runs(cls, T, B, nB, r_qb, r_k0, r_len, r_state, iv, pieces, bits) -> "BlockMask":
         """Build from runs of same-state kv-blocks (sorted by q-block, then start)."""
         full = r_state == FULL
         fq, fk = _expand_runs(r_qb[full], r_k0[full], r_len[full])
         pq, pk = _expand_runs(r_qb[~full], r_k0[~full], r_len[~full])
         full_kv_ptr, full_kv_idx = _csr(fq, fk, nB)
         part_kv_ptr, part_kv_idx = _csr(pq, pk, nB)
-        if iv is not None:
-            part_count = _partial_counts(iv.numpy().astype(np.int64), pq, pk, T, B)
+        if pieces is not None:
+            part_count = _partial_counts(pieces, pq, pk, T, B)
         else:
             part_count = bits.sum(dim=(1, 2)).numpy().astype(np.int64)
         return cls(
@@ -196,54 +199,103 @@ class BlockMask:
         )
 
 
-def _classify_intervals(iv: np.ndarray, T: int, B: int, nB: int):
-    """Tiles of an interval mask, in O(T + segments log segments + tiles).
+class _RowPieces(NamedTuple):
+    """Rows of an interval table cut into pieces: runs of rows inside one q-block along which each
+    of the four bounds is ``x0 + slope * i`` (i = row - start, slope 0 or 1)."""
 
-    Per row, interval j touches the contiguous kv-block range ``[t0, t1)`` and fully covers
-    ``[f0, f1)``. Consecutive rows of a q-block with identical ranges collapse into one weighted
-    segment (structured masks have a handful per block). Each segment adds +w at a range start and
-    -w at its end; sorted by (q-block, kv-block) a single running sum gives, between consecutive
-    event positions, how many rows touch / fully cover the kv-blocks of that run, hence the run's
-    state: FULL when every row of the q-block covers it, PARTIAL when some row touches it.
+    start: np.ndarray  # int64 [P] first row
+    length: np.ndarray  # int64 [P] rows
+    x0: np.ndarray  # int64 [4, P] bounds at the first row; an end equal to T is stored as nB * B
+    slope: np.ndarray  # int64 [4, P] 0 or 1
+    block_ptr: np.ndarray  # int64 [nB + 1] pieces of q-block b are block_ptr[b]:block_ptr[b + 1]
+
+
+def _row_pieces(iv: np.ndarray, T: int, B: int, nB: int) -> _RowPieces:
+    """Cut the rows of a canonical ``[4, T]`` table into pieces (see ``_RowPieces``).
+
+    Structured masks have one or two pieces per q-block (a bound only jumps at a document or
+    segment edge), so everything downstream is O(pieces) instead of O(T).
     """
-    q = np.arange(T, dtype=np.int64)
-    qb = q // B
-    ranges = []
-    for j in range(2):
-        lo, hi = iv[2 * j], iv[2 * j + 1]
-        nonempty = hi > lo
-        t0 = lo // B
-        t1 = np.where(nonempty, (hi - 1) // B + 1, t0)
-        f0 = -(-lo // B)
-        f1 = np.where(hi >= T, nB, hi // B)
-        f1 = np.where(nonempty, np.maximum(f1, f0), f0)
-        ranges += [t0, t1, f0, f1]
-    vals = np.stack(ranges + [qb])  # [9, T]
-    seg_start = np.concatenate([[0], np.flatnonzero((vals[:, 1:] != vals[:, :-1]).any(axis=0)) + 1])
-    weight = np.diff(np.concatenate([seg_start, [T]]))
-    seg = vals[:, seg_start]
-    seg_qb = seg[8]
+    d = np.diff(iv, axis=1)  # d[:, r - 1] = step from row r - 1 to row r
+    # As unsigned, a negative step is huge: one compare tests 0 <= step <= 1.
+    step01 = d.view(np.uint32) <= 1 if d.dtype == np.int32 else (d >= 0) & (d <= 1)
+    # Row r extends the piece of row r - 1 when every bound steps by 0 or 1 and, from the third
+    # row on, by the same amount as the step before (a step change makes the next row a new piece).
+    extends = step01.all(axis=0)
+    extends[1:] &= (d[:, 1:] == d[:, :-1]).all(axis=0)
+    new_piece = np.concatenate([[True], ~extends])
+    new_piece[::B] = True
+    start = np.flatnonzero(new_piece)
 
-    # Events: (q-block, kv-block, d_touch, d_full) for both intervals' touch and full ranges.
-    ev_kb, ev_touch, ev_full = [], [], []
+    length = np.diff(np.append(start, T))
+    x0 = np.take(iv, start, axis=1).astype(np.int64)
+    # An end equal to T fully covers the short last kv-block, as nB * B would: store it so, and
+    # block arithmetic needs no special case. (A slope-1 end reaches T only on its piece's last
+    # row, after a row that does not cover the last block, which therefore cannot be FULL.)
+    x0[1::2][x0[1::2] == T] = nB * B
+    slope = np.zeros_like(x0)
+    multi = length > 1
+    slope[:, multi] = np.take(d, start[multi], axis=1)
+    block_ptr = np.searchsorted(start, np.arange(nB + 1, dtype=np.int64) * B)
+    return _RowPieces(start, length, x0, slope, block_ptr)
+
+
+def _block_steps(x0: np.ndarray, slope: np.ndarray, n: np.ndarray, B: int, round_up: bool):
+    """Block index of ``x0 + slope * i`` (ceil or floor of x / B) at i = 0, and how many leading
+    rows share it; across at most B rows with slope <= 1 the rest have the next index."""
+    a = B - 1 if round_up else 0
+    v = (x0 + a) // B
+    same = np.where(slope == 0, n, np.minimum(n, (v + 1) * B - a - x0))
+    return v, same
+
+
+def _classify_intervals(p: _RowPieces, T: int, B: int, nB: int):
+    """Tiles of an interval mask from its row pieces, in O(pieces log pieces + tiles).
+
+    Per row, interval j touches the kv-blocks ``[t0, t1)`` and fully covers ``[f0, f1)``. Over a
+    piece the touched ranges overlap from row to row (bounds move by at most one key), so their
+    union is ``[t0 of the first row, t1 of the last)``; f0 and f1 take at most two consecutive
+    values each. Events at those kv-blocks (+1/-1 for touch, +rows/-rows for full cover), summed
+    in (q-block, kv-block) order, give how many pieces touch and how many rows fully cover each
+    run of kv-blocks between consecutive events: FULL when every row of the q-block covers the
+    run, PARTIAL when some piece touches it.
+    """
+    keys, touch, full = [], [], []
+    piece_qb = p.start // B
     for j in range(2):
-        t0, t1, f0, f1 = seg[4 * j : 4 * j + 4]
-        ev_kb += [t0, t1, f0, f1]
-        zero = np.zeros_like(weight)
-        ev_touch += [weight, -weight, zero, zero]
-        ev_full += [zero, zero, weight, -weight]
-    ev_qb = np.tile(seg_qb, 8)
-    key = ev_qb * (nB + 1) + np.concatenate(ev_kb)
-    uniq, inverse = np.unique(key, return_inverse=True)
-    touch = np.cumsum(np.bincount(inverse, weights=np.concatenate(ev_touch), minlength=uniq.size))
-    full = np.cumsum(np.bincount(inverse, weights=np.concatenate(ev_full), minlength=uniq.size))
-    u_qb, u_kb = uniq // (nB + 1), uniq % (nB + 1)
+        (lo, hi), (s_lo, s_hi) = p.x0[2 * j : 2 * j + 2], p.slope[2 * j : 2 * j + 2]
+        # An empty (0, 0) row can only be a piece's first row: interval j of a piece is empty
+        # throughout iff it is empty on the last row. Empty ones add no events.
+        hi_last = hi + s_hi * (p.length - 1)
+        nonempty = hi_last > 0
+        lo, hi, s_lo, s_hi, hi_last, n, qb = (
+            x[nonempty] for x in (lo, hi, s_lo, s_hi, hi_last, p.length, piece_qb)
+        )
+        f0, f0_rows = _block_steps(lo, s_lo, n, B, round_up=True)
+        f1, f1_rows = _block_steps(hi, s_hi, n, B, round_up=False)
+        # A row with f1 <= f0 covers nothing, yet adds +1 at f0 and -1 at f1: that only lowers the
+        # count of blocks the row does not cover, which cannot be FULL anyway.
+        # Six events per piece: touch +1 at t0, -1 at t1; full cover +rows at f0 and f0 + 1 (the
+        # rows past the step), -rows at f1 and f1 + 1. kv-block keys run 0..nB + 1.
+        kb = np.concatenate([lo // B, (hi_last - 1) // B + 1, f0, f0 + 1, f1, f1 + 1])
+        keys.append(np.tile(qb, 6) * (nB + 2) + kb)
+        touch.append(np.repeat(np.array([1, -1, 0, 0, 0, 0]), n.size))
+        no_cover = np.zeros(2 * n.size, dtype=np.int64)
+        full.append(np.concatenate([no_cover, f0_rows, n - f0_rows, -f1_rows, f1_rows - n]))
+    # Each event kind is already in q-block order, runs that the stable sort (timsort) exploits.
+    key, touch, full = np.concatenate(keys), np.concatenate(touch), np.concatenate(full)
+    order = np.argsort(key, kind="stable")
+    key, touch, full = key[order], touch[order], full[order]
+    first = np.flatnonzero(np.diff(key, prepend=-1))
+    touch = np.cumsum(np.add.reduceat(touch, first)) if first.size else touch
+    full = np.cumsum(np.add.reduceat(full, first)) if first.size else full
+    u_qb, u_kb = np.divmod(key[first], nB + 2)
 
     # Run i spans [u_kb[i], u_kb[i+1]) of q-block u_qb[i]; the last event of a q-block closes it.
-    same_block = np.concatenate([u_qb[1:] == u_qb[:-1], [False]])
-    run_end = np.concatenate([u_kb[1:], [0]])
-    rows_in_block = np.bincount(qb, minlength=nB)
-    state = np.where(np.rint(full) == rows_in_block[u_qb], FULL, np.where(np.rint(touch) > 0, PARTIAL, EMPTY))
+    same_block = np.append(u_qb[1:] == u_qb[:-1], False)
+    run_end = np.append(u_kb[1:], 0)
+    rows_in_block = np.minimum(T - u_qb * B, B)
+    state = np.where(full == rows_in_block, FULL, np.where(touch > 0, PARTIAL, EMPTY))
     keep = same_block & (state != EMPTY) & (run_end > u_kb)
     return u_qb[keep], u_kb[keep], (run_end - u_kb)[keep], state[keep]
 
@@ -256,22 +308,44 @@ def _expand_runs(r_qb: np.ndarray, r_k0: np.ndarray, r_len: np.ndarray) -> tuple
     return np.repeat(r_qb.astype(np.int32), r_len), tk.astype(np.int32)
 
 
-def _partial_counts(iv: np.ndarray, pq: np.ndarray, pk: np.ndarray, T: int, B: int) -> np.ndarray:
-    """Unmasked pairs of each partial tile: row-wise interval overlap with the kv-block's span."""
+def _prefix_clip(m: np.ndarray, ks: np.ndarray, ke: np.ndarray) -> np.ndarray:
+    """``sum(clip(x, ks, ke) - ks for 0 <= x < m)``: keys of ``[ks, ke)`` below x, summed over x."""
+    u = np.clip(m, ks, ke) - ks
+    return ((u * (u - 1)) >> 1) + np.maximum(m - ke, 0) * (ke - ks)
+
+
+def _sum_clip(x0: np.ndarray, slope: np.ndarray, n: np.ndarray, ks: np.ndarray, ke: np.ndarray) -> np.ndarray:
+    """``sum(clip(x0 + slope * i, ks, ke) - ks for 0 <= i < n)`` for slopes 0 and 1."""
+    constant = n * (np.clip(x0, ks, ke) - ks)
+    return np.where(slope == 1, _prefix_clip(x0 + n, ks, ke) - _prefix_clip(x0, ks, ke), constant)
+
+
+def _partial_counts(p: _RowPieces, pq: np.ndarray, pk: np.ndarray, T: int, B: int) -> np.ndarray:
+    """Unmasked pairs of each partial tile, summed in closed form over the pieces of its q-block.
+
+    A row's keys in ``[ks, ke)`` are ``C(hi1) - C(lo1) + C(hi2) - C(lo2)`` with
+    ``C(x) = clip(x, ks, ke) - ks`` (canonical rows have lo <= hi), and along a piece each bound
+    is an arithmetic progression of step 0 or 1, whose clipped sum has a closed form.
+    """
     counts = np.zeros(pq.size, dtype=np.int64)
-    chunk = max(1, _CHUNK_ELEMS // B)
-    offs = np.arange(B, dtype=np.int64)
+    # Single-interval masks (documents, causal, windows) have hi2 = 0 everywhere: skip lo2, hi2.
+    bounds = range(4) if p.x0[3].any() or p.slope[3].any() else range(2)
+    chunk = max(1, _CHUNK_ELEMS // (4 * B))  # a q-block has at most B pieces
     for c0 in range(0, pq.size, chunk):
-        q_rows = pq[c0 : c0 + chunk, None].astype(np.int64) * B + offs  # [n, B]
-        valid = q_rows < T
-        q_rows = np.minimum(q_rows, T - 1)
-        ks = pk[c0 : c0 + chunk, None].astype(np.int64) * B
+        q, k = pq[c0 : c0 + chunk].astype(np.int64), pk[c0 : c0 + chunk].astype(np.int64)
+        first, n_pieces = p.block_ptr[q], p.block_ptr[q + 1] - p.block_ptr[q]
+        # One entry per (tile, piece of the tile's q-block), tile-major.
+        tile_start = np.cumsum(n_pieces) - n_pieces
+        tile = np.repeat(np.arange(q.size), n_pieces)
+        piece = first[tile] + np.arange(tile.size) - tile_start[tile]
+        ks = k[tile] * B
         ke = np.minimum(ks + B, T)
-        total = np.zeros(q_rows.shape, dtype=np.int64)
-        for j in range(2):
-            lo, hi = iv[2 * j][q_rows], iv[2 * j + 1][q_rows]
-            total += np.clip(np.minimum(hi, ke) - np.maximum(lo, ks), 0, None)
-        counts[c0 : c0 + chunk] = np.where(valid, total, 0).sum(1)
+        n = p.length[piece]
+        keys = np.zeros(piece.size, dtype=np.int64)
+        for c in bounds:  # lo1, hi1, lo2, hi2: ends add, starts subtract
+            sign = 1 if c % 2 else -1
+            keys += sign * _sum_clip(p.x0[c][piece], p.slope[c][piece], n, ks, ke)
+        counts[c0 : c0 + chunk] = np.add.reduceat(keys, tile_start)
     return counts
 
 

@@ -5,80 +5,122 @@ clamped to ``[0, T]``, an empty interval is ``(0, 0)``, non-empty intervals are 
 adjacent, and ``lo1 <= lo2`` when both are non-empty (an empty first slot implies an empty second).
 Canonical form lets the block classifier count coverage without double counting, and makes the
 interval table a faithful signature of the mask.
+
+The work is done in numpy on whole columns: these tables have one entry per token (1M+), so the
+cost is a few dozen vectorised passes, never a per-row Python loop.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 Interval = Tuple[torch.Tensor, torch.Tensor]
+
+# Pieces are packed as ``start << 32 | end`` (both <= T + 1 < 2**31): one int64 compare then sorts
+# by start and carries the end along, so sorting needs only minimum/maximum.
+_SHIFT = 32
+_LOW = (1 << _SHIFT) - 1
+
+
+def _clamped(x, T: int) -> np.ndarray:
+    """A column as int64 numpy, clamped to ``[0, T]``."""
+    return np.clip(np.asarray(x), 0, T, dtype=np.int64)
+
+
+def _pack(lo, hi, T: int) -> np.ndarray:
+    """Packed sort keys; empty pieces get start T + 1 and end 0 so they sort last and never merge."""
+    key, hi = _clamped(lo, T), _clamped(hi, T)  # key holds the start until it is shifted
+    empty = hi <= key
+    key <<= _SHIFT
+    key |= hi
+    key[empty] = (T + 1) << _SHIFT
+    return key
+
+
+def _sort_network(keys: list[np.ndarray]) -> None:
+    """Sort K columns element-wise in place (bubble network: cheaper than a general sort for K <= 4)."""
+    K = len(keys)
+    for i in range(K):
+        for j in range(K - 1 - i):
+            a, b = keys[j], keys[j + 1]
+            keys[j], keys[j + 1] = np.minimum(a, b), np.maximum(a, b)
 
 
 def canonicalize(pieces: Sequence[Interval], total_len: int) -> Optional[torch.Tensor]:
     """Union of any number of per-row intervals -> int32 ``[4, T]``, or None if a row needs > 2 intervals."""
     T = total_len
-    lo = [p[0].to(torch.int64).clamp(0, T) for p in pieces]
-    hi = [p[1].to(torch.int64).clamp(0, T) for p in pieces]
-    # Empty pieces sort last (start T+1) so the sweep below can ignore them; a compare-swap
-    # network is much cheaper than a general sort for the 1-4 pieces per row seen here.
-    start = [torch.where(h > l, l, torch.full_like(l, T + 1)) for l, h in zip(lo, hi)]
-    K = len(pieces)
-    for i in range(K):
-        for j in range(K - 1 - i):
-            swap = start[j + 1] < start[j]
-            for arr in (start, lo, hi):
-                a, b = arr[j], arr[j + 1]
-                arr[j], arr[j + 1] = torch.where(swap, b, a), torch.where(swap, a, b)
-    empty = [s > T for s in start]
+    n_rows = np.asarray(pieces[0][0]).shape[0]
+    out = np.empty((4, n_rows), dtype=np.int32)
+    if len(pieces) == 1:
+        # A single interval needs no merging, only clamping and the (0, 0) form for empty rows.
+        for row, x in zip(out, pieces[0]):
+            np.clip(np.asarray(x), 0, T, out=row, casting="unsafe")
+        out[:2, out[1] <= out[0]] = 0
+        out[2:] = 0
+        return torch.from_numpy(out)
 
-    n_rows = lo[0].shape[0]
-    out_lo = [torch.zeros(n_rows, dtype=torch.int64) for _ in range(2)]
-    out_hi = [torch.zeros(n_rows, dtype=torch.int64) for _ in range(2)]
-    count = torch.zeros(n_rows, dtype=torch.int64)  # merged pieces so far per row
-    cur_lo = torch.zeros(n_rows, dtype=torch.int64)
-    cur_hi = torch.zeros(n_rows, dtype=torch.int64)
-    has_cur = torch.zeros(n_rows, dtype=torch.bool)
-    overflow = torch.zeros(n_rows, dtype=torch.bool)
-
-    def flush(rows: torch.Tensor) -> None:
-        nonlocal count
-        slot = count
-        overflow.logical_or_(rows & (slot >= 2))
-        for s in range(2):
-            sel = rows & (slot == s)
-            out_lo[s] = torch.where(sel, cur_lo, out_lo[s])
-            out_hi[s] = torch.where(sel, cur_hi, out_hi[s])
-        count = count + rows.to(torch.int64)
-
-    for j in range(K):
-        valid = ~empty[j]
-        # A piece that starts at or before the running end extends it (adjacent pieces merge too).
-        extends = valid & has_cur & (lo[j] <= cur_hi)
-        starts_new = valid & ~extends
-        flush(starts_new & has_cur)
-        cur_hi = torch.where(extends, torch.maximum(cur_hi, hi[j]), cur_hi)
-        cur_lo = torch.where(starts_new, lo[j], cur_lo)
-        cur_hi = torch.where(starts_new, hi[j], cur_hi)
-        has_cur = has_cur | valid
-    flush(has_cur)
-    if bool(overflow.any()):
+    keys = [_pack(lo, hi, T) for lo, hi in pieces]
+    _sort_network(keys)
+    lo = [k >> _SHIFT for k in keys]
+    hi = [k & _LOW for k in keys]  # empty pieces have end 0, so they never raise the running end
+    # After sorting by start, piece j opens a new interval iff it starts after the running end of
+    # pieces 0..j-1 (a piece starting exactly at the end is adjacent and merges).
+    run_end = [hi[0]]
+    for j in range(1, len(keys)):
+        run_end.append(np.maximum(run_end[-1], hi[j]))
+    opens = [(lo[j] <= T) & (lo[j] > run_end[j - 1]) for j in range(1, len(keys))]
+    if len(opens) > 1 and bool((np.sum(opens, axis=0) > 1).any()):
         return None
-    return torch.stack([out_lo[0], out_hi[0], out_lo[1], out_hi[1]]).to(torch.int32)
+    out[0] = np.where(lo[0] <= T, lo[0], 0)
+    hi1, lo2 = run_end[-1], np.zeros(n_rows, dtype=np.int64)
+    for j, o in enumerate(opens, start=1):
+        hi1 = np.where(o, run_end[j - 1], hi1)
+        lo2 = np.where(o, lo[j], lo2)
+    out[1] = hi1
+    out[2] = lo2
+    out[3] = np.where(np.any(opens, axis=0), run_end[-1], 0)
+    return torch.from_numpy(out)
 
 
-def _pieces(iv: torch.Tensor) -> list[Interval]:
-    iv = iv.to(torch.int64)
+def _pieces(iv: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The two (lo, hi) columns of an interval table, as numpy views."""
+    iv = iv.numpy()
     return [(iv[0], iv[1]), (iv[2], iv[3])]
 
 
 def intersect(a: torch.Tensor, b: torch.Tensor, total_len: int) -> Optional[torch.Tensor]:
-    """Row-wise intersection of two canonical interval tables (None if a row needs > 2 intervals)."""
-    pieces = [
-        (torch.maximum(lo_a, lo_b), torch.minimum(hi_a, hi_b)) for lo_a, hi_a in _pieces(a) for lo_b, hi_b in _pieces(b)
+    """Row-wise intersection of two canonical interval tables (None if a row needs > 2 intervals).
+
+    With ``a = A1 U A2`` and ``b = B1 U B2`` canonical, the pieces ``Ai & Bj`` are disjoint and not
+    adjacent, ``A1 & B1`` comes first, ``A2 & B2`` last, and ``A1 & B2``, ``A2 & B1`` cannot both be
+    non-empty (the first needs B1 to end inside A1, the second A1 to end inside B1). So the result
+    is the non-empty pieces of that order, at most two of them: no sort and no merge.
+    """
+    (a_lo1, a_hi1), (a_lo2, a_hi2) = _pieces(a)
+    (b_lo1, b_hi1), (b_lo2, b_hi2) = _pieces(b)
+    cross12 = (np.maximum(a_lo1, b_lo2), np.minimum(a_hi1, b_hi2))
+    cross21 = (np.maximum(a_lo2, b_lo1), np.minimum(a_hi2, b_hi1))
+    use12 = cross12[1] > cross12[0]
+    ordered = [
+        (np.maximum(a_lo1, b_lo1), np.minimum(a_hi1, b_hi1)),
+        tuple(np.where(use12, x12, x21) for x12, x21 in zip(cross12, cross21)),
+        (np.maximum(a_lo2, b_lo2), np.minimum(a_hi2, b_hi2)),
     ]
-    return canonicalize(pieces, total_len)
+    has = [hi > lo for lo, hi in ordered]
+    n_nonempty = has[0].astype(np.int8) + has[1] + has[2]
+    if bool((n_nonempty > 2).any()):
+        return None
+    out = np.empty((4, n_nonempty.size), dtype=np.int32)
+    for k in range(2):  # lo, then hi
+        p0, p1, p2 = (piece[k] for piece in ordered)
+        first_nonempty = np.where(has[0], p0, np.where(has[1], p1, p2))
+        second_nonempty = np.where(has[2], p2, p1)  # only used when two pieces are non-empty
+        np.multiply(first_nonempty, n_nonempty >= 1, out=out[k])
+        np.multiply(second_nonempty, n_nonempty == 2, out=out[2 + k])
+    return torch.from_numpy(out)
 
 
 def union(a: torch.Tensor, b: torch.Tensor, total_len: int) -> Optional[torch.Tensor]:

@@ -4,11 +4,12 @@ import time
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockattn import MaskSpec
 from blockattn.block_mask import FULL, PARTIAL
+from blockattn.intervals import canonicalize
 
 
 def dense_from_mod(mod, T):
@@ -157,6 +158,72 @@ def test_block_classification_equals_dense_classification(pair, B):
     # The mask_mod path (chunked evaluation + per-tile bitmasks) must agree tile for tile.
     via_mod = assert_block_mask_matches_dense(MaskSpec.from_mask_mod(mod, spec.total_len), B)
     assert torch.equal(via_mod.tile_state(), spec.block_mask(B).tile_state())
+
+
+@st.composite
+def interval_tables(draw, T=None):
+    """A MaskSpec from a random two-piece interval table: runs of rows whose bounds move by a
+    random step (mostly 0 or 1, as in structured masks, sometimes -1 or 2), with jumps between runs."""
+    T = T or draw(st.integers(1, 40))
+    # Keeping the pieces in separate key ranges makes rows with two intervals common.
+    split = draw(st.booleans())
+    pieces = []
+    for key_lo, key_hi in [(-2, T // 2), (T // 2 + 1, T + 2)] if split else [(-2, T + 2)] * 2:
+        lo, hi = [], []
+        while len(lo) < T:
+            n = draw(st.integers(1, T - len(lo)))
+            lo0, hi0 = draw(st.integers(key_lo, key_hi)), draw(st.integers(key_lo, key_hi))
+            s_lo, s_hi = draw(st.sampled_from([0, 1])), draw(st.sampled_from([0, 1, 1, -1, 2]))
+            lo += [lo0 + s_lo * i for i in range(n)]
+            hi += [hi0 + s_hi * i for i in range(n)]
+        pieces.append((torch.tensor(lo), torch.tensor(hi)))
+    table = canonicalize(pieces, T)  # the union of two pieces always fits two intervals
+    return MaskSpec._from_intervals(T, f"table(T={T})", lambda: table)
+
+
+def assert_tiles_match_dense(spec, B):
+    """Vectorised brute force: tile states and unmasked pairs of the dense mask, padded to whole blocks."""
+    T = spec.total_len
+    nB = -(-T // B)
+    dense = torch.zeros(nB * B, nB * B, dtype=torch.int64)
+    dense[:T, :T] = spec.to_dense()
+    pairs = dense.view(nB, B, nB, B).sum(dim=(1, 3))
+    lens = (T - torch.arange(nB) * B).clamp(max=B)
+    state = torch.where(pairs == lens.view(-1, 1) * lens.view(1, -1), FULL, torch.where(pairs > 0, PARTIAL, 0))
+    bm = spec.block_mask(B)
+    assert torch.equal(bm.tile_state(), state.to(torch.int8))
+    assert torch.equal(bm.tile_pairs(), pairs[bm.tile_q.long(), bm.tile_kv.long()])
+    assert bm.part_count.dtype == torch.int64 and bool((bm.part_count > 0).all())
+
+
+def assert_canonical(iv, T):
+    """Two clamped intervals per row, empty ones (0, 0), disjoint, non-adjacent and in order."""
+    lo1, hi1, lo2, hi2 = iv.long()
+    assert bool(((0 <= lo1) & (lo1 <= hi1) & (hi1 <= T) & (0 <= lo2) & (lo2 <= hi2) & (hi2 <= T)).all())
+    empty1, empty2 = hi1 == lo1, hi2 == lo2
+    for lo, hi, empty in ((lo1, hi1, empty1), (lo2, hi2, empty2)):
+        assert bool((lo[empty] == 0).all() and (hi[empty] == 0).all())
+    assert bool((empty2[empty1]).all())  # an empty first slot implies an empty second
+    assert bool((hi1 < lo2)[~empty2].all())
+
+
+@settings(max_examples=200)
+@given(interval_tables(), st.integers(1, 12))
+def test_interval_classification_and_counts_equal_dense(spec, B):
+    assert_canonical(spec.row_intervals(), spec.total_len)
+    assert_tiles_match_dense(spec, B)
+
+
+@settings(max_examples=200)
+@given(st.data(), st.integers(1, 12))
+def test_interval_set_operations_are_pointwise(data, B):
+    a = data.draw(interval_tables())
+    b = data.draw(interval_tables(a.total_len))
+    for c, expected in ((a & b, a.to_dense() & b.to_dense()), (a | b, a.to_dense() | b.to_dense())):
+        assert torch.equal(c.to_dense(), expected)
+        if c.row_intervals() is not None:
+            assert_canonical(c.row_intervals(), c.total_len)
+            assert_tiles_match_dense(c, B)
 
 
 @st.composite
