@@ -10,7 +10,9 @@ Exchanges. A rank runs S + 1 exchanges per direction; exchange j carries the *in
 (Q/KV forward, DO backward) and the *results* of stage j (OUT forward, DQ/DKV backward, whose
 schedule stage is last-compute-stage + 1 = j). It is posted before the compute of stage j, so stage
 j + 1's inputs travel while stage j computes, and waited right after that compute. Every payload of
-one (exchange, src, dst) travels as one packed message, sections in schedule row order.
+one (exchange, src, dst) travels as one packed message, sections in schedule row order. The
+backward runs its own stage of every tile (``plan.tile_stage_bwd``): all forward inputs are resident
+by then, so tiles whose partials go to other ranks run first and local tiles last, hiding them.
 
 Relays (planner/relay.py): a KV row's source may be a rank that received the block in an earlier
 exchange; it sends from its kv buffer rows. Mirrored, a DKV row's destination may be that relay: the
@@ -63,7 +65,7 @@ class _Exchange:
 @dataclass(frozen=True)
 class _Stage:
     fwd_tiles: object  # TileList (q-major) or None when the rank has no tile in this stage
-    bwd_tiles_t: object  # TileList (kv-major) or None
+    bwd_tiles_t: object  # TileList (kv-major; backward stages only) or None
     q_rows: torch.Tensor  # int64 token rows of the stage's work q-blocks (dQ rows written)
     kv_rows: torch.Tensor  # int64 token rows of the stage's work kv-blocks (dK/dV rows written)
 
@@ -76,7 +78,8 @@ class RankProgram:
     n_local: int
     q_buf_rows: int
     kv_buf_rows: int
-    stages: tuple
+    stages: tuple  # forward: _Stage per stage (q-major tiles)
+    stages_bwd: tuple  # backward: _Stage per backward stage (q-major and kv-major tiles)
     exchanges: dict  # "fwd"/"bwd" -> tuple[_Exchange] of length S + 1
     planned_bytes: dict  # "fwd"/"bwd" -> bytes this rank sends
 
@@ -170,32 +173,45 @@ def build_rank_program(plan, me: int, bm, device: torch.device) -> RankProgram:
             rows[block], kv_end = kv_end, kv_end + int(lens[block])
         arrival[block] = stage
 
-    # Per-stage tile lists in buffer coordinates.
+    # The backward's only inputs: dO (+ lse, delta) of remote q-blocks, in their first backward stage.
+    arrival_do = torch.full((nB,), -1, dtype=torch.int64)
+    arrival_do[local] = 0
+    for stage, _src, _dst, _kind, block in bwd[(bwd[:, 2] == me) & (bwd[:, 3] == KIND_DO)].tolist():
+        arrival_do[block] = stage
+
+    # Per-stage tile lists in buffer coordinates: forward stages (q-major) and backward stages
+    # (q-major for dQ, kv-major for dK/dV); a tile's backward stage is its own (plan.tile_stage_bwd).
     mine = plan.tile_rank.to(torch.int64) == me
     tq_all, tkv_all = plan.tile_q.to(torch.int64), plan.tile_kv.to(torch.int64)
-    stage_all, full_all = plan.tile_stage.to(torch.int64), plan.tile_full.to(torch.bool)
-    stages = []
-    for s in range(S):
+    full_all = plan.tile_full.to(torch.bool)
+
+    def stage_lists(stage_all: torch.Tensor, s: int, backward: bool) -> _Stage:
         sel = mine & (stage_all == s)
         tq, tkv, tfull = tq_all[sel], tkv_all[sel], full_all[sel]
         if tq.numel() == 0:
             empty = torch.zeros(0, dtype=torch.int64)
-            stages.append(_Stage(None, None, empty, empty))
-            continue
-        late = (arrival_q[tq] < 0) | (arrival_q[tq] > s) | (arrival_kv[tkv] < 0) | (arrival_kv[tkv] > s)
+            return _Stage(None, None, empty, empty)
+        if backward:  # Q and KV were received in the forward and kept; dO must be here by now
+            late = (arrival_q[tq] < 0) | (arrival_kv[tkv] < 0) | (arrival_do[tq] < 0) | (arrival_do[tq] > s)
+        else:
+            late = (arrival_q[tq] < 0) | (arrival_q[tq] > s) | (arrival_kv[tkv] < 0) | (arrival_kv[tkv] > s)
         if bool(late.any()):
             i = int(torch.nonzero(late)[0])
             raise ValueError(
-                f"plan {plan.strategy}: rank {me} computes tile ({int(tq[i])}, {int(tkv[i])}) in stage {s} "
-                f"but does not hold its q/kv blocks by then (inconsistent plan; run planner.schedule.check_plan)")
+                f"plan {plan.strategy}: rank {me} computes tile ({int(tq[i])}, {int(tkv[i])}) in "
+                f"{'backward' if backward else 'forward'} stage {s} but does not hold its inputs by then "
+                f"(inconsistent plan; run planner.schedule.check_plan)")
         bits = _partial_bits_index(bm, tq, tkv)
-        fwd_tiles = TileList.from_tiles(tq, tkv, tfull, block_size=B, work_row_of=q_row, partner_row_of=kv_row,
-                                        bits_index=bits, device=device)
-        bwd_tiles_t = TileList.from_tiles(tkv, tq, tfull, block_size=B, work_row_of=kv_row, partner_row_of=q_row,
-                                          bits_index=bits, device=device)
+        q_major = TileList.from_tiles(tq, tkv, tfull, block_size=B, work_row_of=q_row, partner_row_of=kv_row,
+                                      bits_index=bits, device=device)
+        kv_major = TileList.from_tiles(tkv, tq, tfull, block_size=B, work_row_of=kv_row, partner_row_of=q_row,
+                                       bits_index=bits, device=device) if backward else None
         wq, wkv = torch.unique(tq), torch.unique(tkv)
-        stages.append(_Stage(fwd_tiles, bwd_tiles_t, _token_rows(q_row[wq], lens[wq]).to(device),
-                             _token_rows(kv_row[wkv], lens[wkv]).to(device)))
+        return _Stage(q_major, kv_major, _token_rows(q_row[wq], lens[wq]).to(device),
+                      _token_rows(kv_row[wkv], lens[wkv]).to(device))
+
+    stages = tuple(stage_lists(plan.tile_stage.to(torch.int64), s, False) for s in range(S))
+    stages_bwd = tuple(stage_lists(plan.tile_stage_bwd.to(torch.int64), s, True) for s in range(S))
 
     esize = torch.empty((), dtype=plan.dtype).element_size()
     dims = (plan.num_q_heads, plan.num_kv_heads, plan.head_dim, esize)
@@ -207,7 +223,7 @@ def build_rank_program(plan, me: int, bm, device: torch.device) -> RankProgram:
             for j in range(S + 1))
         planned[direction] = sum(
             _payload_bytes(int(k), int(lens[b]), *dims) for k, b in table[table[:, 1] == me][:, 3:5].tolist())
-    return RankProgram(me, n_local, q_end, kv_end, tuple(stages), exchanges, planned)
+    return RankProgram(me, n_local, q_end, kv_end, stages, stages_bwd, exchanges, planned)
 
 
 def _check_stages(plan, direction: str, table: torch.Tensor) -> None:
@@ -370,8 +386,8 @@ class _DistributedAttention(torch.autograd.Function):
         for j in range(S + 1):
             handle = _run_exchange(prog.exchanges["bwd"][j], bufs, group=run.group, device=dev, method=run.method,
                                    tag=2 * j + 1, wire_dtype=qb.dtype, name=f"bwd exchange {j}/{S}")
-            if j < S and prog.stages[j].fwd_tiles is not None:
-                st = prog.stages[j]
+            if j < S and prog.stages_bwd[j].fwd_tiles is not None:
+                st = prog.stages_bwd[j]
                 dq_s = be.attention_bwd_dq(qb, kb, vb, dout_b, lse_b, delta_b, st.fwd_tiles, kmask, scale)
                 dq.index_add_(0, st.q_rows, dq_s[st.q_rows].to(torch.float32))
                 dk_s, dv_s = be.attention_bwd_dkdv(qb, kb, vb, dout_b, lse_b, delta_b, st.bwd_tiles_t, kmask, scale)

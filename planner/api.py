@@ -17,6 +17,7 @@ from .cost_model import CostModel, Topology
 from .placement import Placement, compact_stages
 from .plan import Plan
 from .schedule import as_relay_table, check_plan, derive_schedule
+from .stages import finish_placement
 from .tiles import TileSet
 
 DEFAULT_BLOCK_SIZE = 128
@@ -130,11 +131,20 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
     rank = np.asarray(placement.tile_rank, dtype=np.int64)
     stage, num_stages = compact_stages(placement.tile_stage)
     relay = as_relay_table(placement.kv_relay)
-    schedule = placement.schedule
-    if schedule is None or schedule.num_stages != num_stages or not np.array_equal(stage, placement.tile_stage):
+    schedule, stage_bwd = placement.schedule, placement.tile_stage_bwd
+    if stage_bwd is None:
+        # backward stages by what each tile sends and needs (planner/stages.py), local tiles spread
+        # where the backward's transfers would be exposed; the forward stages stay as planned
+        sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     element_size=torch.empty((), dtype=dtype).element_size())
+        done = finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes,
+                                kv_relay=relay if relay.shape[0] else None, spread_forward=False)
+        schedule, stage_bwd = done.schedule, done.tile_stage_bwd
+    elif schedule is None or schedule.num_stages != num_stages or not np.array_equal(stage, placement.tile_stage):
         # compaction renumbers stages monotonically, so a relay's "held strictly before" still holds
         schedule = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks,
-                                   num_stages=num_stages, world_size=world_size, kv_relay=relay)
+                                   num_stages=num_stages, world_size=world_size, kv_relay=relay,
+                                   tile_stage_bwd=stage_bwd)
     as32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
     order = np.argsort(home, kind="stable")
     counts = np.bincount(home, minlength=world_size)
@@ -145,4 +155,5 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
         dtype=dtype, mask_signature=mask_signature, block_home=as32(home), local_blocks=local,
         tile_q=as32(tiles.q), tile_kv=as32(tiles.kv), tile_full=torch.from_numpy(tiles.full.copy()),
         tile_rank=as32(rank), tile_stage=as32(stage), num_stages=num_stages, schedule=schedule,
-        tile_pairs=torch.from_numpy(tiles.pairs.astype(np.int64)), cost_model=cost_model, kv_relay=as32(relay))
+        tile_pairs=torch.from_numpy(tiles.pairs.astype(np.int64)), cost_model=cost_model, kv_relay=as32(relay),
+        tile_stage_bwd=as32(stage_bwd))

@@ -96,11 +96,14 @@ class CostModel:
         lat = np.where(any_rows(inter), topo.inter_lat, np.where(any_rows(~inter), topo.intra_lat, 0.0))
         return np.maximum(intra_t, inter_t) + lat
 
-    def step_times(self, compute: np.ndarray, comm_fwd: np.ndarray, comm_bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per-rank forward and backward time [P]: ``compute`` [P, S] forward seconds per stage (the
-        backward takes ``bwd_flops_factor`` times as long), ``comm_*`` [P, S + 1] from stage_comm_time."""
+    def step_times(self, compute: np.ndarray, comm_fwd: np.ndarray, comm_bwd: np.ndarray,
+                   compute_bwd: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Per-rank forward and backward time [P]: ``compute`` [P, S] forward seconds per stage,
+        ``compute_bwd`` the same per backward stage (default: the forward's; the backward takes
+        ``bwd_flops_factor`` times as long), ``comm_*`` [P, S + 1] from stage_comm_time."""
+        compute_bwd = compute if compute_bwd is None else compute_bwd
         return (self.overlapped_time(compute, comm_fwd),
-                self.overlapped_time(compute * self.bwd_flops_factor, comm_bwd))
+                self.overlapped_time(compute_bwd * self.bwd_flops_factor, comm_bwd))
 
     @staticmethod
     def overlapped_time(compute: np.ndarray, comm: np.ndarray) -> np.ndarray:

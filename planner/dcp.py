@@ -49,8 +49,8 @@ from .balance import Balancer
 from .cost_model import CostModel
 from .placement import Placement, balanced_bounds, compact_stages, runs_to_home
 from .relay import add_relays
-from .schedule import KIND_KV, derive_schedule, payload_bytes, row_bytes
-from .stages import assign_stages, spread_local_tiles
+from .schedule import KIND_KV, payload_bytes
+from .stages import assign_stages, finish_placement
 from .tiles import TileSet, coarsen
 
 CUT_SLACK = 0.03  # a run boundary may move by up to 3% of a run to find a cheaper cut
@@ -69,6 +69,7 @@ COARSE_TILE_LIMIT = 16384
 SELECT_MIN_TILES = 2048
 SELECT_MIN_BLOCKS_PER_RANK = 32
 SELECT_KEEP = 2
+RELAY_TOP = 2  # relays are weighed for this many of the fastest candidates (their scoring is costly)
 MIN_COARSE_BLOCKS_PER_RANK = 32
 # Several nodes: the chosen candidate is also staged with the budget rule of planner/stages.py doubled
 # (transfers front-loaded) and the faster staging is kept. Neither wins everywhere (doubled for every
@@ -181,14 +182,22 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
         inits = list(MULTI_NODE_INITS)
     if len(inits) > len(SINGLE_NODE_INITS):
         inits = _preselect(tiles, world_size, inits, cost_model, max_stages, sizes)
-    best, best_time = None, np.inf
     good_enough = GOOD_ENOUGH * _lower_bound(tiles, world_size, cost_model, sizes)
+    planned = []  # (time, order, placement) before relays
     for name in inits:
-        placement, sim_time = _place(tiles, world_size, name, cost_model, max_stages, sizes)
-        if sim_time < best_time:
-            best, best_time = placement, sim_time
-        if best_time <= good_enough:
+        placement, sim_time = _place(tiles, world_size, name, cost_model, max_stages, sizes, relays=False)
+        planned.append((sim_time, len(planned), placement))
+        if sim_time <= good_enough:
             break  # cannot gain more than a few percent: skip the other candidates
+    # several nodes: relays (hot KV blocks cross each inter-node link once and fan out over NVLink)
+    # are weighed for the RELAY_TOP fastest candidates only
+    best, best_time = None, np.inf
+    for sim_time, _, placement in sorted(planned, key=lambda item: item[:2])[:RELAY_TOP]:
+        if sim_time > good_enough:
+            placement = add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
+                                   max_stages=max_stages, sizes=sizes)
+        if placement.sim_time < best_time:
+            best, best_time = placement, placement.sim_time
     if world_size > cost_model.topology.ranks_per_node and best_time > good_enough:
         best = _front_loaded(tiles, best, world_size, cost_model, max_stages, sizes)
     return best
@@ -203,7 +212,8 @@ def _front_loaded(tiles: TileSet, placement: Placement, world_size: int, cost_mo
     stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size, total_len=tiles.total_len,
                           world_size=world_size, cost_model=cost_model, max_stages=max_stages,
                           budget_scale=FRONT_LOAD, **sizes)
-    alt = add_relays(tiles, _staged(tiles, home, rank, stage, flops, world_size, cost_model, sizes),
+    alt = add_relays(tiles, finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model,
+                                             sizes=sizes),
                      world_size=world_size, cost_model=cost_model, max_stages=max_stages, sizes=sizes)
     return alt if alt.sim_time < placement.sim_time else placement
 
@@ -228,7 +238,8 @@ def _preselect(tiles: TileSet, world_size: int, inits: list, cost_model: CostMod
     lower_bound = _lower_bound(coarse, world_size, cost_model, sizes)
     scored = []
     for name in inits:
-        scored.append((_place(coarse, world_size, name, cost_model, max_stages, sizes)[1], len(scored), name))
+        scored.append((_place(coarse, world_size, name, cost_model, max_stages, sizes, relays=False)[1], len(scored),
+                       name))
         if scored[-1][0] <= GOOD_ENOUGH * lower_bound:
             break
     return [name for _t, _i, name in sorted(scored)[:SELECT_KEEP]]
@@ -263,74 +274,36 @@ def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostMo
 
 
 def _scored(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, sizes: dict) -> Placement:
-    """``placement`` with its CommSchedule and simulated fwd + bwd time (computed if missing)."""
-    if placement.sim_time is not None and placement.schedule is not None:
+    """``placement`` with its backward stages, CommSchedule and simulated fwd + bwd time (computed if
+    missing; its forward stages, e.g. inherited from merged blocks, are kept as they are)."""
+    if placement.sim_time is not None and placement.schedule is not None and placement.tile_stage_bwd is not None:
         return placement
-    stage, num_stages = compact_stages(placement.tile_stage)
-    home, rank = placement.block_home, placement.tile_rank
-    sched = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks, num_stages=num_stages,
-                            world_size=world_size, kv_relay=placement.kv_relay)
-    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
-    comm = _comm_time(tiles, sched, world_size, num_stages, cost_model, sizes)
-    sim = _sim_time(flops, rank, stage, world_size, num_stages, comm, cost_model)
-    return replace(placement, tile_stage=stage, schedule=sched, sim_time=sim)
-
-
-def _sim_time(flops: np.ndarray, rank: np.ndarray, stage: np.ndarray, world_size: int, num_stages: int,
-              comm: dict, cost_model: CostModel) -> float:
-    """Simulated forward + backward time: the slowest rank of each (planner/cost_model.py)."""
-    compute = np.bincount(rank * num_stages + stage, weights=flops / cost_model.fwd_rate,
-                          minlength=world_size * num_stages).reshape(world_size, num_stages)
-    fwd, bwd = cost_model.step_times(compute, comm["fwd"], comm["bwd"])
-    return float(fwd.max() + bwd.max())
-
-
-def _comm_time(tiles: TileSet, sched, world_size: int, num_stages: int, cost_model: CostModel, sizes: dict) -> dict:
-    """{"fwd", "bwd"}: float64 [P, S + 1] transfer time per rank and stage (planner/cost_model.py)."""
-    comm = {}
-    block_len = tiles.block_lengths()
-    for direction in ("fwd", "bwd"):
-        table = sched.table(direction).numpy().astype(np.int64)
-        comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), world_size,
-                                                     num_stages)
-    return comm
+    return finish_placement(tiles, placement.block_home, placement.tile_rank, placement.tile_stage,
+                            world_size=world_size, cost_model=cost_model, sizes=sizes, kv_relay=placement.kv_relay,
+                            spread_forward=False)
 
 
 def _place(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, max_stages: int,
-           sizes: dict) -> tuple[Placement, float]:
-    """One dcp placement from the given initial data placement, and its simulated fwd + bwd time."""
+           sizes: dict, *, relays: bool = True) -> tuple[Placement, float]:
+    """One dcp placement from the given initial data placement, and its simulated fwd + bwd time
+    (with node-level KV relays where they pay, unless ``relays`` is False)."""
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
     if init in BASELINE_INITS:  # a baseline itself, so dcp is never slower
         from .baselines import allgather, zigzag
 
         base = (zigzag if init == "zigzag-ring" else allgather)(tiles, world_size)
         home, rank = base.block_home, base.tile_rank
-        placement = _staged(tiles, home, rank, base.tile_stage, flops, world_size, cost_model, sizes)
+        placement = finish_placement(tiles, home, rank, base.tile_stage, world_size=world_size, cost_model=cost_model,
+                                     sizes=sizes)
     else:
         home = _initial_home(tiles, world_size, init, cost_model, sizes)
         rank = Balancer(tiles, home, flops / cost_model.fwd_rate, world_size, cost_model.topology, **sizes).run()
         stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
                               total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,
                               max_stages=max_stages, **sizes)
-        placement = _staged(tiles, home, rank, stage, flops, world_size, cost_model, sizes)
-    # several nodes: hot KV blocks cross each inter-node link once and fan out over NVLink
-    placement = add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
-                           max_stages=max_stages, sizes=sizes)
+        placement = finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model,
+                                     sizes=sizes)
+    if relays:  # several nodes: hot KV blocks cross each inter-node link once and fan out over NVLink
+        placement = add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
+                               max_stages=max_stages, sizes=sizes)
     return placement, placement.sim_time
-
-
-def _staged(tiles: TileSet, home: np.ndarray, rank: np.ndarray, stage: np.ndarray, flops: np.ndarray, world_size: int,
-            cost_model: CostModel, sizes: dict) -> Placement:
-    """The Placement of given homes, ranks and stages with its schedule and simulated time, after
-    moving purely local tiles into later stages where transfers would otherwise be exposed."""
-    stage, num_stages = compact_stages(stage)
-    sched = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks,
-                            num_stages=num_stages, world_size=world_size)
-    comm = _comm_time(tiles, sched, world_size, num_stages, cost_model, sizes)
-    if num_stages > 1:
-        local = (home[tiles.q] == rank) & (home[tiles.kv] == rank)
-        # moving local tiles between stages changes no transfer, so the schedule stays valid
-        stage = spread_local_tiles(stage, flops, rank, local, comm["fwd"], world_size=world_size,
-                                   num_stages=num_stages, fwd_rate=cost_model.fwd_rate)
-    sim = _sim_time(flops, rank, stage, world_size, num_stages, comm, cost_model)
-    return Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched, sim_time=sim)

@@ -20,6 +20,7 @@ class Placement:
     schedule: object = None  # CommSchedule already derived for exactly these arrays (stages compact)
     kv_relay: np.ndarray | None = None  # int64 [m, 3] (block, dst, src) KV relays (planner/relay.py)
     sim_time: float | None = None  # simulated fwd + bwd time (cost model), when the maker scored it
+    tile_stage_bwd: np.ndarray | None = None  # int64 [ntiles] backward stages (None: chosen by make_plan)
 
 
 def balanced_bounds(num_blocks: int, parts: int) -> np.ndarray:

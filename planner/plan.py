@@ -45,6 +45,12 @@ class Plan:
     cost_model: CostModel = field(default_factory=CostModel)
     # int32 [m, 3] rows (block, dst, src): dst receives KV `block` from src, not the home (planner/relay.py)
     kv_relay: torch.Tensor = field(default_factory=lambda: torch.zeros((0, 3), dtype=torch.int32))
+    # int32 [ntiles] backward stage of every tile (planner/stages.py backward_stages); None: the forward's
+    tile_stage_bwd: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.tile_stage_bwd is None:
+            object.__setattr__(self, "tile_stage_bwd", self.tile_stage)
 
     # ------------------------------------------------------------------ tokens and tensors
     @property
@@ -149,6 +155,7 @@ class Plan:
                    self.tile_pairs, self.schedule.fwd, self.schedule.bwd, *self.local_blocks]
         if self.kv_relay.numel():  # only when relays exist, so relay-free plans keep their fingerprints
             tensors.append(self.kv_relay)
+        tensors.append(self.tile_stage_bwd)
         for t in tensors:
             arr = np.ascontiguousarray(t.numpy())
             h.update(f"{arr.dtype.str}{arr.shape}".encode())
@@ -165,8 +172,10 @@ class Plan:
         P, S, cm = self.world_size, self.num_stages, self.cost_model
         rank = self.tile_rank.numpy().astype(np.int64)
         stage = self.tile_stage.numpy().astype(np.int64)
+        stage_bwd = self.tile_stage_bwd.numpy().astype(np.int64)
         flops = cm.tile_flops(self.tile_pairs.numpy(), num_q_heads=self.num_q_heads, head_dim=self.head_dim)
         compute = np.bincount(rank * S + stage, weights=flops, minlength=P * S).reshape(P, S) / cm.fwd_rate
+        compute_bwd = np.bincount(rank * S + stage_bwd, weights=flops, minlength=P * S).reshape(P, S) / cm.fwd_rate
         tokens = [self.local_len(r) for r in range(P)]
         result = {"strategy": self.strategy, "world_size": P, "num_stages": S, "tokens": tokens,
                   "flops_fwd": np.bincount(rank, weights=flops, minlength=P).tolist()}
@@ -177,7 +186,7 @@ class Plan:
             result[f"bytes_sent_{direction}"] = np.bincount(table[:, 1], weights=nbytes, minlength=P).astype(np.int64).tolist()
             result[f"bytes_recv_{direction}"] = np.bincount(table[:, 2], weights=nbytes, minlength=P).astype(np.int64).tolist()
             comm[direction] = cm.stage_comm_time(table, nbytes, P, S)
-        times = cm.step_times(compute, comm["fwd"], comm["bwd"])
+        times = cm.step_times(compute, comm["fwd"], comm["bwd"], compute_bwd)
         for direction, factor, per_rank in zip(("fwd", "bwd"), (1.0, cm.bwd_flops_factor), times):
             result[f"sim_time_{direction}_per_rank"] = per_rank.tolist()
             result[f"sim_time_{direction}"] = float(per_rank.max()) if P else 0.0

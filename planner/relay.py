@@ -35,7 +35,8 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages
-from .schedule import (KIND_DKV, KIND_DQ, KIND_KV, KIND_Q, CommSchedule, as_relay_table, receive_groups,
+from .stages import backward_stages, local_tiles_by_rank, spread_backward_local
+from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, receive_groups,
                        row_bytes, schedule_rows)
 from .tiles import TileSet
 
@@ -100,7 +101,7 @@ def _variants(tiles: TileSet, placement: Placement, *, world_size: int, cost_mod
                     cost_model=cost_model, sizes=sizes)
     base_time = placement.sim_time
     if base_time is None:
-        base_time = score.base(schedule)
+        base_time = score.base()
 
     lazy = score.variant(cand, np.zeros(cand.block.size, dtype=bool))
     variants = [lazy] if late.any() else []
@@ -123,12 +124,13 @@ class _Variant(NamedTuple):
     bwd: np.ndarray  # float64 [P] per-rank backward time
     rows: tuple  # (fwd, bwd) int64 schedule rows, unsorted
     relay: np.ndarray  # int64 [m, 3] (block, dst, src), sorted
+    stage_bwd: np.ndarray  # int64 [ntiles] backward stages
 
     def placement(self, home, rank, world_size: int) -> Placement:
         schedule = CommSchedule.from_rows(*self.rows, num_stages=self.num_stages, world_size=world_size)
         return Placement(block_home=np.asarray(home, dtype=np.int64), tile_rank=np.asarray(rank, dtype=np.int64),
-                         tile_stage=self.stage, schedule=schedule,
-                         kv_relay=self.relay, sim_time=self.time)
+                         tile_stage=self.stage, schedule=schedule, kv_relay=self.relay, sim_time=self.time,
+                         tile_stage_bwd=self.stage_bwd)
 
 
 class RelayCandidates(NamedTuple):
@@ -167,15 +169,16 @@ def relay_candidates(home: np.ndarray, kv_groups, *, ranks_per_node: int) -> Rel
 def _placement_groups(block, kind: int, home, rank, stage, schedule, num_blocks: int):
     """``receive_groups`` of the tiles' remote q-blocks (kind Q) or kv-blocks (KV): read off the rows of
     the placement's relay-free schedule when it has one (far fewer rows than tiles), else from the tiles.
-    An input row ``(first, home, r, kind, b)`` and a result row ``(last + 1, r, home, DQ / DKV, b)``
+    An input row ``(first, home, r, kind, b)`` and a result row ``(last + 1, r, home, OUT / DKV, b)``
     exist per group (planner/schedule.py)."""
     if schedule is None:
         remote = home[block] != rank
         return receive_groups(rank[remote], block[remote], stage[remote], num_blocks)
-    kind_back = KIND_DQ if kind == KIND_Q else KIND_DKV
     fwd, bwd = schedule.fwd.numpy(), schedule.bwd.numpy()
     rin = fwd[fwd[:, 3] == kind].astype(np.int64)
-    rback = bwd[bwd[:, 3] == kind_back].astype(np.int64)
+    # the forward last stage: OUT rows for q-blocks; kv-blocks have no forward result (their DKV
+    # rows follow the backward stages, and only the backward uses a kv group's last stage)
+    rback = (fwd[fwd[:, 3] == KIND_OUT] if kind == KIND_Q else bwd[bwd[:, 3] == KIND_DKV]).astype(np.int64)
     rin = rin[np.argsort(rin[:, 2] * num_blocks + rin[:, 4])]  # receiver-major, like receive_groups
     rback = rback[np.argsort(rback[:, 1] * num_blocks + rback[:, 4])]
     return rin[:, 2], rin[:, 4], rin[:, 0], rback[:, 0] - 1
@@ -201,22 +204,40 @@ class _Scorer:
         # [P, S + 1]: room for the one extra stage a delay may open
         self.base_compute = np.bincount(rank * (num_stages + 1) + stage, weights=self.compute_time,
                                         minlength=self.P * (num_stages + 1)).reshape(self.P, num_stages + 1)
+        self.remote_kv = home[tiles.kv] != rank
+        self.local_order = local_tiles_by_rank(rank, ~self.remote_q & ~self.remote_kv)
+        self.compute_bwd_time = self.compute_time * cost_model.bwd_flops_factor
+        self._bwd_cache = {}
 
-    def _score(self, rows, compute: np.ndarray, num_stages: int):
-        """(fwd + bwd time, fwd per rank, bwd per rank) of (fwd, bwd) schedule rows in any order."""
+    def _backward(self, num_stages: int):
+        """(backward stages, their (q, kv) receive groups) for ``num_stages``: they follow from what
+        each tile sends and needs (planner/stages.py backward_stages), not from the forward stages."""
+        if num_stages not in self._bwd_cache:
+            t, nB, rq, rk = self.tiles, self.tiles.num_blocks, self.remote_q, self.remote_kv
+            stage_bwd = backward_stages(t.q, t.kv, self.rank, self.home, num_stages)
+            groups = (receive_groups(self.rank[rq], t.q[rq], stage_bwd[rq], nB),
+                      receive_groups(self.rank[rk], t.kv[rk], stage_bwd[rk], nB))
+            self._bwd_cache[num_stages] = stage_bwd, groups
+        return self._bwd_cache[num_stages]
+
+    def _score(self, q_groups, kv_groups, relay, compute: np.ndarray, num_stages: int):
+        """(fwd + bwd time, fwd per rank, bwd per rank, backward stages, rows) of a variant's groups."""
+        stage_bwd, bwd_groups = self._backward(num_stages)
+        rows = schedule_rows(self.home, q_groups, kv_groups, num_blocks=self.tiles.num_blocks, num_stages=num_stages,
+                             kv_relay=relay, bwd_groups=bwd_groups)
         comm = [self.cm.stage_comm_time(table, row_bytes(table, self.block_len, **self.sizes), self.P, num_stages)
                 for table in rows]
-        fwd, bwd = self.cm.step_times(compute, *comm)
-        return float(fwd.max() + bwd.max()), fwd, bwd
+        stage_bwd = spread_backward_local(stage_bwd, self.compute_bwd_time, self.rank, self.local_order, comm[1],
+                                          world_size=self.P, num_stages=num_stages)
+        compute_bwd = np.bincount(self.rank * num_stages + stage_bwd, weights=self.compute_time,
+                                  minlength=self.P * num_stages).reshape(self.P, num_stages)
+        fwd, bwd = self.cm.step_times(compute, *comm, compute_bwd)
+        return float(fwd.max() + bwd.max()), fwd, bwd, stage_bwd, rows
 
-    def base(self, schedule=None) -> float:
-        """The input placement's time (its schedule derived unless given)."""
-        if schedule is None:
-            rows = schedule_rows(self.home, self.q_groups, self.kv_groups, num_blocks=self.tiles.num_blocks,
-                                 num_stages=self.num_stages)
-        else:
-            rows = tuple(schedule.table(d).numpy().astype(np.int64) for d in ("fwd", "bwd"))
-        return self._score(rows, self.base_compute[:, :self.num_stages], self.num_stages)[0]
+    def base(self) -> float:
+        """The input placement's time (with the backward stages of planner/stages.py)."""
+        return self._score(self.q_groups, self.kv_groups, None, self.base_compute[:, :self.num_stages],
+                           self.num_stages)[0]
 
     def variant(self, cand: RelayCandidates, delay: np.ndarray) -> _Variant:
         """Relays for every candidate that needs no delay plus the ``delay``-flagged ones (their tiles
@@ -264,6 +285,5 @@ class _Scorer:
         use = (cand.first > cand.proxy_first) | delay
         relay = np.stack([cand.block[use], cand.dst[use], cand.proxy[use]], axis=1)
         relay = relay[np.lexsort((relay[:, 1], relay[:, 0]))]
-        rows = schedule_rows(self.home, q_groups, kv_groups, num_blocks=nB, num_stages=num_stages, kv_relay=relay)
-        total, fwd, bwd = self._score(rows, compute, num_stages)
-        return _Variant(total, stage, num_stages, fwd, bwd, rows, relay)
+        total, fwd, bwd, stage_bwd, rows = self._score(q_groups, kv_groups, relay, compute, num_stages)
+        return _Variant(total, stage, num_stages, fwd, bwd, rows, relay, stage_bwd)

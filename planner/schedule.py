@@ -15,9 +15,13 @@ Rules (the executor and ``Plan.stats()`` both follow exactly these rows):
   which must hold the block strictly before that stage (home, or received in an earlier stage).
 * OUT: one partial (out, lse) per remote q-block the rank computed tiles of, sent to the home at
   ``last compute stage + 1`` (may equal ``num_stages``).
-* DO (backward): dO + lse + delta of such a q-block, home -> rank, at its first compute stage.
+* Backward stages: the backward runs the same S stages, but each tile has its own backward stage
+  (``tile_stage_bwd``, planner/stages.py ``backward_stages``), since every forward input is
+  already resident then. Backward first / last stages below are over those.
+* DO (backward): dO + lse + delta of such a q-block, home -> rank, at its first backward stage
+  (never stage 0).
 * DQ / DKV (backward): fp32 partial gradients of remote q-blocks / kv-blocks back to the home at
-  ``last compute stage + 1``. Q/KV received in the forward are kept, never re-fetched.
+  ``last backward stage + 1``. Q/KV received in the forward are kept, never re-fetched.
 * DKV reduce tree (mirror of a relay): a rank that got KV b from a *proxy* p (p got b from the home)
   sends its dK/dV partial to p instead, at ``last + 1``, when that leaves p room to forward the sum:
   p sends to the home at ``max(last_p + 1, max over such children (last_child + 2))`` <= num_stages.
@@ -188,9 +192,10 @@ def as_relay_table(kv_relay) -> np.ndarray:
 
 
 def derive_schedule(block_home, tile_q, tile_kv, tile_rank, tile_stage, *, num_blocks: int,
-                    num_stages: int, world_size: int, kv_relay=None) -> CommSchedule:
+                    num_stages: int, world_size: int, kv_relay=None, tile_stage_bwd=None) -> CommSchedule:
     """Build the CommSchedule of a placement (numpy or torch int inputs); ``kv_relay`` rows
-    ``(block, dst, src)`` make ``dst`` receive KV ``block`` from ``src`` (see the module docstring)."""
+    ``(block, dst, src)`` make ``dst`` receive KV ``block`` from ``src`` (see the module docstring);
+    ``tile_stage_bwd`` gives the backward stages (default: the forward ones)."""
     home = np.asarray(block_home, dtype=np.int64)
     q = np.asarray(tile_q, dtype=np.int64)
     kv = np.asarray(tile_kv, dtype=np.int64)
@@ -198,34 +203,45 @@ def derive_schedule(block_home, tile_q, tile_kv, tile_rank, tile_stage, *, num_b
     stage = np.asarray(tile_stage, dtype=np.int64)
     remote_q = home[q] != rank
     remote_kv = home[kv] != rank
-    return schedule_from_groups(
-        home, receive_groups(rank[remote_q], q[remote_q], stage[remote_q], num_blocks),
-        receive_groups(rank[remote_kv], kv[remote_kv], stage[remote_kv], num_blocks),
-        num_blocks=num_blocks, num_stages=num_stages, world_size=world_size, kv_relay=kv_relay)
+
+    def groups(stages):
+        return (receive_groups(rank[remote_q], q[remote_q], stages[remote_q], num_blocks),
+                receive_groups(rank[remote_kv], kv[remote_kv], stages[remote_kv], num_blocks))
+
+    bwd_groups = None if tile_stage_bwd is None else groups(np.asarray(tile_stage_bwd, dtype=np.int64))
+    return schedule_from_groups(home, *groups(stage), num_blocks=num_blocks, num_stages=num_stages,
+                                world_size=world_size, kv_relay=kv_relay, bwd_groups=bwd_groups)
 
 
 def schedule_from_groups(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num_stages: int,
-                         world_size: int, kv_relay=None) -> CommSchedule:
+                         world_size: int, kv_relay=None, bwd_groups=None) -> CommSchedule:
     """The CommSchedule from the ``receive_groups`` (rank, block, first, last) of the tiles' remote q-
-    and kv-blocks (lets a planner that changes few stages rebuild it without touching every tile)."""
+    and kv-blocks (lets a planner that changes few stages rebuild it without touching every tile);
+    ``bwd_groups`` = (q, kv) groups under the backward stages (default: the forward groups)."""
     fwd, bwd = schedule_rows(home, q_groups, kv_groups, num_blocks=num_blocks, num_stages=num_stages,
-                             kv_relay=kv_relay)
+                             kv_relay=kv_relay, bwd_groups=bwd_groups)
     return CommSchedule.from_rows(fwd, bwd, num_stages=num_stages, world_size=world_size)
 
 
 def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num_stages: int,
-                  kv_relay=None) -> tuple[np.ndarray, np.ndarray]:
+                  kv_relay=None, bwd_groups=None) -> tuple[np.ndarray, np.ndarray]:
     """The forward and backward rows of ``schedule_from_groups``, int64 and *unsorted* (enough for a
-    cost estimate, which sums per (rank, stage); ``CommSchedule.from_rows`` puts them in wire order)."""
+    cost estimate, which sums per (rank, stage); ``CommSchedule.from_rows`` puts them in wire order).
+    The backward rows follow ``bwd_groups`` (same (rank, block) pairs, backward first / last stages)."""
+    q_bwd, kv_bwd = (q_groups, kv_groups) if bwd_groups is None else bwd_groups
     r, b, first, last = q_groups
     q_in = _rows(first, home[b], r, KIND_Q, b)
     out = _rows(last + 1, r, home[b], KIND_OUT, b)
+    r, b, first, last = q_bwd
     d_out = _rows(first, home[b], r, KIND_DO, b)
     d_q = _rows(last + 1, r, home[b], KIND_DQ, b)
 
-    r, b, first, last = kv_groups
-    src, dkv_dst, dkv_stage = _kv_routes(home, r, b, last, as_relay_table(kv_relay), num_blocks, num_stages)
+    relay = as_relay_table(kv_relay)
+    r, b, first, _last = kv_groups
+    src = _kv_routes(home, r, b, _last, relay, num_blocks, num_stages)[0]
     kv_in = _rows(first, src, r, KIND_KV, b)
+    r, b, _first, last = kv_bwd
+    _src, dkv_dst, dkv_stage = _kv_routes(home, r, b, last, relay, num_blocks, num_stages)
     d_kv = _rows(dkv_stage, r, dkv_dst, KIND_DKV, b)
     return np.concatenate([q_in, kv_in, out]), np.concatenate([d_out, d_q, d_kv])
 
@@ -288,6 +304,7 @@ def check_plan(plan) -> None:
     kv = plan.tile_kv.numpy().astype(np.int64)
     rank = plan.tile_rank.numpy().astype(np.int64)
     stage = plan.tile_stage.numpy().astype(np.int64)
+    stage_bwd = plan.tile_stage_bwd.numpy().astype(np.int64)
     key = q * nB + kv
     if key.size and np.any(np.diff(key) <= 0):
         fail("tiles are not unique and sorted by (q, kv)")
@@ -295,6 +312,8 @@ def check_plan(plan) -> None:
         fail("tile_rank out of range")
     if stage.size and (stage.min() < 0 or stage.max() >= S):
         fail(f"tile_stage out of range [0, {S})")
+    if stage_bwd.shape != stage.shape or (stage_bwd.size and (stage_bwd.min() < 0 or stage_bwd.max() >= S)):
+        fail(f"tile_stage_bwd must be [ntiles] stages in [0, {S})")
     at_home = (home[q] == rank) & (home[kv] == rank)
     if np.any((stage == 0) & ~at_home):
         fail("a stage-0 tile reads a block its rank does not own")
@@ -375,7 +394,10 @@ def check_plan(plan) -> None:
                  f"{hop[i, 0]}, which does not forward it in a later stage (a chain must end at the home "
                  f"with increasing stages)")
 
-    derived = derive_schedule(home, q, kv, rank, stage, num_blocks=nB, num_stages=S, world_size=P, kv_relay=relay)
+    if np.any((bwd[:, 3] == KIND_DO) & (bwd[:, 0] == 0)):
+        fail("a DO transfer in stage 0 (backward inputs travel behind an earlier stage's compute)")
+    derived = derive_schedule(home, q, kv, rank, stage, num_blocks=nB, num_stages=S, world_size=P, kv_relay=relay,
+                              tile_stage_bwd=stage_bwd)
     for direction in ("fwd", "bwd"):
         if not torch.equal(derived.table(direction), plan.schedule.table(direction)):
             fail(f"{direction} schedule differs from the one derived from the placement")

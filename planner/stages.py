@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from .cost_model import CostModel
-from .schedule import KIND_KV, KIND_Q, payload_bytes
+from .placement import Placement, compact_stages
+from .schedule import KIND_KV, KIND_Q, derive_schedule, payload_bytes, row_bytes
 
 
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
@@ -152,3 +153,97 @@ def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, i
             start += take
             movable -= take
     return stage
+
+
+def backward_stages(q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray, num_stages: int) -> np.ndarray:
+    """int64 [ntiles] backward stage of every tile, by what the tile sends and needs.
+
+    In the backward every forward input is already on the tile's rank; only dO / lse / delta of a
+    remote q-block arrive (from its home, in the stage that first needs them, never stage 0), and
+    every remote tile sends a dQ and / or dK/dV partial home after its last stage. So the tiles run
+    in the reverse of the forward's order of need: tiles of home q-blocks that read remote KV (a
+    dK/dV partial out, nothing in) first, in stage 0; tiles of remote q-blocks (dO in, partials
+    out) in stage 1; purely local tiles (no transfer) last, in stage 2, where they hide the partials
+    of stage 1. Fewer stages merge the later classes.
+    """
+    last = max(num_stages - 1, 0)
+    remote_q = home[q] != rank
+    remote_kv = home[kv] != rank
+    return np.where(remote_q, min(1, last), np.where(remote_kv, 0, min(2, last))).astype(np.int64)
+
+
+def local_tiles_by_rank(rank: np.ndarray, is_local: np.ndarray) -> np.ndarray:
+    """Indices of the purely local tiles, grouped by rank (tile order kept inside a rank)."""
+    idx = np.flatnonzero(is_local)
+    return idx[np.argsort(rank[idx], kind="stable")]
+
+
+def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarray, local_order: np.ndarray,
+                          comm_time: np.ndarray, *, world_size: int, num_stages: int) -> np.ndarray:
+    """Move purely local tiles (no transfer) from their backward stage (``backward_stages``) into the
+    stages whose next transfers (``comm_time`` [P, S + 1], backward) would otherwise be exposed:
+    partials arriving at a home, dO leaving it. ``compute``: per-tile backward seconds. Each rank
+    keeps in the local stage what hides its own next transfers and fills the gaps of the other
+    stages in order; the schedule is unchanged (local tiles move nothing). ``local_order``: the
+    local tiles as ``local_tiles_by_rank`` lists them, all still in their class-rule stage."""
+    S, P = num_stages, world_size
+    if S < 2:
+        return stage
+    home_stage = min(2, S - 1)
+    per_stage = np.bincount(rank * S + stage, weights=compute, minlength=P * S).reshape(P, S)
+    gaps = np.maximum(0.0, comm_time[:, 1:S + 1] - per_stage)  # stage s hides transfer slot s + 1
+    gaps[:, home_stage] = 0.0
+    idx = local_order
+    if idx.size == 0 or not gaps.any():
+        return stage
+    r, c = rank[idx], compute[idx]
+    total = np.bincount(r, weights=c, minlength=P)
+    # position of each local tile's end within its rank's local work
+    end = np.cumsum(c) - (np.cumsum(total) - total)[r]
+    movable = np.clip(np.minimum(per_stage[:, home_stage] - comm_time[:, home_stage + 1], total), 0.0, None)
+    upto = np.minimum(np.cumsum(gaps, axis=1), movable[:, None])  # [P, S] local work placed by stage s
+    below = np.concatenate([np.zeros((P, 1)), upto[:, :-1]], axis=1)
+    new = stage[idx].copy()
+    for s in range(S):
+        if s != home_stage:
+            new[(end > below[r, s]) & (end <= upto[r, s])] = s
+    stage = stage.copy()
+    stage[idx] = new
+    return stage
+
+
+def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarray, *, world_size: int,
+                     cost_model: CostModel, sizes: dict, kv_relay=None, spread_forward: bool = True) -> Placement:
+    """The Placement of given homes, tile ranks and forward stages, completed: stages compacted,
+    backward stages (``backward_stages``), the CommSchedule, local tiles spread into the stages where
+    transfers would otherwise be exposed (forward only with ``spread_forward``; backward always), and
+    the simulated forward + backward time. ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size."""
+    stage, num_stages = compact_stages(stage)
+    q, kv, P = tiles.q, tiles.kv, world_size
+    stage_bwd = backward_stages(q, kv, rank, home, num_stages)
+    sched = derive_schedule(home, q, kv, rank, stage, num_blocks=tiles.num_blocks, num_stages=num_stages,
+                            world_size=P, kv_relay=kv_relay, tile_stage_bwd=stage_bwd)
+    block_len = tiles.block_lengths()
+    comm = {}
+    for direction in ("fwd", "bwd"):
+        table = sched.table(direction).numpy().astype(np.int64)
+        comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), P, num_stages)
+    compute = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"],
+                                    head_dim=sizes["head_dim"]) / cost_model.fwd_rate
+    if num_stages > 1:
+        # moving local tiles between stages changes no transfer, so the schedule stays valid
+        local = (home[q] == rank) & (home[kv] == rank)
+        if spread_forward:
+            stage = spread_local_tiles(stage, compute * cost_model.fwd_rate, rank, local, comm["fwd"], world_size=P,
+                                       num_stages=num_stages, fwd_rate=cost_model.fwd_rate)
+        stage_bwd = spread_backward_local(stage_bwd, compute * cost_model.bwd_flops_factor, rank,
+                                          local_tiles_by_rank(rank, local), comm["bwd"], world_size=P,
+                                          num_stages=num_stages)
+
+    def per_stage(st):
+        return np.bincount(rank * num_stages + st, weights=compute, minlength=P * num_stages).reshape(P, num_stages)
+
+    fwd, bwd = cost_model.step_times(per_stage(stage), comm["fwd"], comm["bwd"], per_stage(stage_bwd))
+    return Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched,
+                     kv_relay=None if kv_relay is None else np.asarray(kv_relay, dtype=np.int64),
+                     sim_time=float(fwd.max() + bwd.max()), tile_stage_bwd=stage_bwd)

@@ -104,35 +104,41 @@ def random_plan(spec, world, *, seed, num_q_heads, num_kv_heads, head_dim, dtype
 
 def relay_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_dim, dtype, block_size,
                inter_bw=2e9):
-    """dcp's plan with node-level KV relays (planner/relay.py) on a slow inter-node link, where they pay off."""
+    """dcp's plan with node-level KV relays (planner/relay.py) on a slow inter-node link: the relayed
+    variant with DKV reduce trees and delayed tiles if one has them."""
     import numpy as np
 
+    from test_relay import dcp_placement_without_relays
+
     from blockattn.planner import CostModel, Topology, check_plan
-    from blockattn.planner import dcp as dcp_module
     from blockattn.planner.api import build_plan
     from blockattn.planner.placement import Placement
-    from blockattn.planner.relay import add_relays
+    from blockattn.planner.relay import relay_variants
     from blockattn.planner.tiles import TileSet
 
     kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
     sizes = dict(kw, element_size=torch.empty((), dtype=dtype).element_size())
     cost_model = CostModel(topology=Topology(ranks_per_node=ranks_per_node, inter_bw=inter_bw))
     tiles = TileSet.from_block_mask(spec.block_mask(block_size))
-    # dcp's own balanced placement before relays (make_plan adds relays itself, and on batches this
-    # small may return a baseline placement instead), so the test can count delayed tiles
-    with_relays = dcp_module.add_relays
-    dcp_module.add_relays = lambda tiles, placement, **_: placement
-    try:
-        own = dcp_module._dcp(tiles, world, cost_model, 4, sizes, None)
-    finally:
-        dcp_module.add_relays = with_relays
-    base = build_plan(tiles, Placement(own.block_home, own.tile_rank, own.tile_stage), strategy="dcp",
-                      world_size=world, dtype=dtype, mask_signature=spec.signature(), cost_model=cost_model, **kw)
+    own = dcp_placement_without_relays(tiles, world, cost_model, sizes)  # so the test can count delayed tiles
+    base = build_plan(tiles, own, strategy="dcp", world_size=world, dtype=dtype, mask_signature=spec.signature(),
+                      cost_model=cost_model, **kw)
     as64 = lambda t: t.numpy().astype(np.int64)  # noqa: E731
-    placement = add_relays(tiles, Placement(as64(base.block_home), as64(base.tile_rank), as64(base.tile_stage)),
-                           world_size=world, cost_model=cost_model, max_stages=4, sizes=sizes)
-    plan = build_plan(tiles, placement, strategy="dcp+relay", world_size=world, dtype=dtype,
-                      mask_signature=spec.signature(), cost_model=base.cost_model, **kw)
+    # every relayed variant dcp weighs (not only the one it keeps): this test is about executing
+    # relays, DKV reduce trees and delayed tiles, so it takes the variant with the most of them
+    _, variants = relay_variants(tiles, Placement(as64(base.block_home), as64(base.tile_rank), as64(base.tile_stage)),
+                                 world_size=world, cost_model=cost_model, max_stages=4, sizes=sizes)
+    plans = [build_plan(tiles, v, strategy="dcp+relay", world_size=world, dtype=dtype,
+                        mask_signature=spec.signature(), cost_model=base.cost_model, **kw) for v in variants]
+    if not plans:
+        raise AssertionError(f"no relay candidates for {spec}")
+
+    def exercised(plan):
+        bwd, home = plan.schedule.bwd, plan.block_home.long()
+        trees = int(((bwd[:, 3] == 5) & (bwd[:, 2] != home[bwd[:, 4].long()])).sum())
+        return (trees > 0, int((plan.tile_stage != base.tile_stage).sum()) > 0, plan.kv_relay.shape[0])
+
+    plan = max(plans, key=exercised)
     check_plan(plan)
     return base, plan
 

@@ -88,7 +88,12 @@ def test_rank_programs_agree_with_the_plan_and_each_other(case):
         for stage in prog.stages:
             if stage.fwd_tiles is not None:
                 n_tiles += _check_tiles(plan, stage.fwd_tiles, q_rows, kv_rows)
+        n_bwd = 0
+        for stage in prog.stages_bwd:
+            if stage.fwd_tiles is not None:
+                n_bwd += _check_tiles(plan, stage.fwd_tiles, q_rows, kv_rows)
                 n_tiles_t += _check_tiles(plan, stage.bwd_tiles_t, kv_rows, q_rows)
+        assert n_bwd == int((plan.tile_rank == r).sum())
         for direction in ("fwd", "bwd"):
             assert prog.planned_bytes[direction] == stats[f"bytes_sent_{direction}"][r]
             sent = sum(sum(ex.send_nbytes.values()) for ex in prog.exchanges[direction])

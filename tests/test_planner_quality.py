@@ -119,10 +119,15 @@ def test_cost_model_by_hand():
     assert s["sim_time_fwd_per_rank"] == pytest.approx([expect_r0, expect_r1])
     assert s["sim_time_fwd"] == pytest.approx(expect_r1)
     assert s["lower_bound_fwd"] == pytest.approx((2 * diag + full) / (2 * cm.fwd_rate))
-    # backward: dKV partial of block 0 goes back at stage 2, after rank 1's last compute stage
+    # backward: tile (1,0), whose dKV partial of block 0 goes home, runs first (backward stage 0) and
+    # its partial leaves in stage 1; the local tile (1,1) is pulled into stage 0 as well, where the
+    # partial's transfer would otherwise be exposed, so rank 1's backward is one overlapped step
     dkv = 2 * 128 * 8 * 128 * 4
     assert s["bytes_sent_bwd"] == [0, dkv]
-    expect_bwd_r1 = diag * 2.5 / cm.fwd_rate + max(full * 2.5 / cm.fwd_rate, dkv / 100e9 + 1e-6)
+    assert plan.tile_stage_bwd.tolist() == [0, 0, 0] and plan.tile_stage.tolist() == [0, 1, 0]
+    bwd = plan.schedule.bwd.tolist()
+    assert bwd == [[1, 1, 0, 5, 0]]  # (stage, src, dst, DKV, block 0)
+    expect_bwd_r1 = max((full + diag) * 2.5 / cm.fwd_rate, dkv / 100e9 + 1e-6)
     assert s["sim_time_bwd_per_rank"][1] == pytest.approx(expect_bwd_r1)
 
 
