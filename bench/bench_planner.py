@@ -90,13 +90,14 @@ def literal_zigzag_ring(plan_zigzag, topology: Topology) -> dict:
     crosses_node = P > topology.ranks_per_node
     step = shard / (topology.inter_bw if crosses_node else topology.intra_bw) + (
         topology.inter_lat if crosses_node else topology.intra_lat)
-    comm = np.full((P, P + 1), step)
-    comm[:, 0] = 0.0
-    comm[:, P:] = 0.0
+    # exchange j overlaps step j's compute and carries the shard of step j + 1 (planner/cost_model.py)
+    comm = np.zeros((P, P + 1))
+    comm[:, : P - 1] = step
     fwd = cm.overlapped_time(compute, comm).max()
-    # backward: KV and dKV both travel around the ring (2x the bytes per step in fp32 grads + bf16 kv)
-    comm_bwd = comm * (1 + 4 / esize)
-    comm_bwd[:, 0] = 0.0
+    # backward: the fp32 dK/dV accumulator follows the KV shard around the ring, one exchange behind
+    # (computed in step j, sent in exchange j + 1), and makes one last hop home after the last step
+    comm_bwd = comm.copy()
+    comm_bwd[:, 1:] += step * 4 / esize
     bwd = cm.overlapped_time(compute * cm.bwd_flops_factor, comm_bwd).max()
     fwd_bytes = ring_rotation_bytes(p.total_len, P, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim, element_size=esize)
     return {"sim_time_fwd": float(fwd), "sim_time_bwd": float(bwd), "bytes_fwd": fwd_bytes,

@@ -8,15 +8,18 @@ Model (stated once, used by ``Plan.stats()`` and by the dcp stage splitter):
   exact unmasked pair count). Backward = ``bwd_flops_factor`` (2.5) x forward. Rates are attainable
   attention throughputs on one H200 (bf16 dense peak ~990 TFLOP/s; FlashAttention-3 class kernels
   reach ~500 TFLOP/s forward), so time = FLOPs / ``fwd_rate``.
-* Communication of rank r in stage s: bytes it sends and bytes it receives (from the CommSchedule
-  rows), split into intra-node and inter-node. Links are full duplex and NVLink and the NIC work in
-  parallel, so ``comm(r, s) = max(send_intra, recv_intra) / intra_bw`` vs the same for inter-node,
-  whichever is larger, plus one latency (the inter-node one if any inter-node row exists).
-* Overlap: stage s+1's transfers are posted before stage s computes, so
-  ``time(r) = comm(r, 0) + sum_{s<S} max(compute(r, s), comm(r, s + 1))`` (the last term carries
-  the OUT / DQ / DKV partials of stage S). The plan's time is the max over ranks. This is
-  per-rank: it does not model a rank waiting on a slower peer, so it is a lower estimate of
-  lock-step execution but exact for the bytes and FLOPs.
+* Exchanges, as the executor runs them (blockattn/distributed.py): exchange j (j = 0..S) carries the
+  *inputs* of stage j + 1 (Q / KV forward, DO backward: schedule rows of stage j + 1) and the
+  *results* computed in stage j - 1 (OUT / DQ / DKV: rows of stage j); it is posted before stage j
+  computes and overlaps that compute. So a partial computed in the last stage travels in exchange
+  S, after all compute: exposed.
+* Communication of rank r in exchange j: bytes it sends and bytes it receives, split into intra-node
+  and inter-node. Links are full duplex and NVLink and the NIC work in parallel, so
+  ``comm(r, j) = max(send_intra, recv_intra) / intra_bw`` vs the same for inter-node, whichever is
+  larger, plus one latency (the inter-node one if any inter-node row exists).
+* Overlap: ``time(r) = sum_{j<S} max(compute(r, j), comm(r, j)) + comm(r, S)``. The plan's time is
+  the max over ranks. This is per-rank: it does not model a rank waiting on a slower peer, so it is
+  a lower estimate of lock-step execution but exact for the bytes and FLOPs.
 * Lower bound: total FLOPs / (P x rate), i.e. perfect balance and fully hidden communication.
 """
 
@@ -25,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+_INPUT_KINDS = (0, 1, 3)  # Q, KV, DO (planner/schedule.py kinds): they travel one exchange before their stage
 
 
 @dataclass(frozen=True)
@@ -73,10 +78,12 @@ class CostModel:
         return 4.0 * head_dim * num_q_heads * np.asarray(pairs, dtype=np.float64)
 
     def stage_comm_time(self, table: np.ndarray, nbytes: np.ndarray, world_size: int, num_stages: int) -> np.ndarray:
-        """float64 [P, S + 1]: communication time of every rank in every transfer stage."""
+        """float64 [P, S + 1]: communication time of every rank in every exchange (module docstring:
+        an input row of stage s travels in exchange s - 1, a result row of stage s in exchange s)."""
         topo = self.topology
         P, S1 = world_size, num_stages + 1
-        stage, src, dst = table[:, 0], table[:, 1], table[:, 2]
+        src, dst = table[:, 1], table[:, 2]
+        stage = table[:, 0] - np.isin(table[:, 3], _INPUT_KINDS)  # the exchange index
         inter = topo.node_of(src) != topo.node_of(dst)
         nbytes = nbytes.astype(np.float64)
         size = P * S1
@@ -107,5 +114,6 @@ class CostModel:
 
     @staticmethod
     def overlapped_time(compute: np.ndarray, comm: np.ndarray) -> np.ndarray:
-        """Per-rank time [P] from compute [P, S] and comm [P, S + 1] with stage s+1 hidden behind s."""
-        return comm[:, 0] + np.maximum(compute, comm[:, 1:]).sum(axis=1)
+        """Per-rank time [P] from compute [P, S] and comm [P, S + 1] per exchange: exchange j < S
+        overlaps stage j's compute, exchange S (the last stage's partials) follows it."""
+        return np.maximum(compute, comm[:, :-1]).sum(axis=1) + comm[:, -1]

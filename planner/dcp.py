@@ -213,7 +213,7 @@ def _front_loaded(tiles: TileSet, placement: Placement, world_size: int, cost_mo
                           world_size=world_size, cost_model=cost_model, max_stages=max_stages,
                           budget_scale=FRONT_LOAD, **sizes)
     alt = add_relays(tiles, finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model,
-                                             sizes=sizes),
+                                             sizes=sizes, max_stages=max_stages),
                      world_size=world_size, cost_model=cost_model, max_stages=max_stages, sizes=sizes)
     return alt if alt.sim_time < placement.sim_time else placement
 
@@ -294,7 +294,7 @@ def _place(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, ma
         base = (zigzag if init == "zigzag-ring" else allgather)(tiles, world_size)
         home, rank = base.block_home, base.tile_rank
         placement = finish_placement(tiles, home, rank, base.tile_stage, world_size=world_size, cost_model=cost_model,
-                                     sizes=sizes)
+                                     sizes=sizes, max_stages=max_stages)
     else:
         home = _initial_home(tiles, world_size, init, cost_model, sizes)
         rank = Balancer(tiles, home, flops / cost_model.fwd_rate, world_size, cost_model.topology, **sizes).run()
@@ -302,7 +302,7 @@ def _place(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, ma
                               total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,
                               max_stages=max_stages, **sizes)
         placement = finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model,
-                                     sizes=sizes)
+                                     sizes=sizes, max_stages=max_stages)
     if relays:  # several nodes: hot KV blocks cross each inter-node link once and fan out over NVLink
         placement = add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
                                max_stages=max_stages, sizes=sizes)

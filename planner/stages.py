@@ -117,13 +117,16 @@ def _max_over_items(n: int, tile_idx: np.ndarray, value: np.ndarray, remote_q: n
 
 
 def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, is_local: np.ndarray,
-                       comm_time: np.ndarray, *, world_size: int, num_stages: int, fwd_rate: float) -> np.ndarray:
+                       comm_time: np.ndarray, *, world_size: int, num_stages: int, fwd_rate: float,
+                       extra_stage: bool = False) -> np.ndarray:
     """Move purely local tiles (no transfer depends on them) from stage 0 into later stages where a
-    rank's compute would not cover the next stage's transfers (e.g. OUT partials arriving at a donor).
+    rank's compute would not cover that stage's exchange (e.g. OUT partials arriving at a donor).
 
-    ``comm_time``: [P, S + 1] transfer time per rank and stage for the current placement. Each rank
-    keeps in stage 0 at least what hides its stage-1 transfers; the rest of its local work is poured
-    into the uncovered gaps of stages 1..S-1, latest gap first (those carry the unhideable OUT).
+    ``comm_time``: [P, S + 1] transfer time per rank and exchange for the current placement. Each rank
+    keeps in stage 0 at least what hides exchange 0; the rest of its local work is poured into the
+    uncovered gaps of stages 1..S-1, latest gap first. With ``extra_stage`` the last exchange (the
+    partials of stage S-1, otherwise after all compute) counts as the gap of a new stage S, which the
+    caller then adds (it carries no input, so no transfer changes).
     """
     S = num_stages
     if S < 2:
@@ -135,15 +138,17 @@ def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, i
     local_idx = np.flatnonzero(local0)
     local_idx = local_idx[np.argsort(rank[local_idx], kind="stable")]
     bounds = np.searchsorted(rank[local_idx], np.arange(world_size + 1))
+    last = S if extra_stage else S - 1
+    compute = np.concatenate([compute, np.zeros((world_size, 1))], axis=1)
     for r in range(world_size):
-        gaps = np.maximum(0.0, comm_time[r, 2:S + 1] - compute[r, 1:S])  # stage s = 1..S-1
-        movable = local_time[r] - comm_time[r, 1]
+        gaps = np.maximum(0.0, comm_time[r, 1:last + 1] - compute[r, 1:last + 1])  # stage s overlaps exchange s
+        movable = local_time[r] - comm_time[r, 0]
         if movable <= 0 or not np.any(gaps > 0):
             continue
         idx = local_idx[bounds[r]:bounds[r + 1]][::-1]  # last local tiles leave stage 0 first
         cum = np.cumsum(flops[idx] / fwd_rate)
         start = 0.0
-        for s in range(S - 1, 0, -1):
+        for s in range(last, 0, -1):
             take = min(gaps[s - 1], movable)
             if take <= 0:
                 continue
@@ -191,7 +196,7 @@ def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarr
         return stage
     home_stage = min(2, S - 1)
     per_stage = np.bincount(rank * S + stage, weights=compute, minlength=P * S).reshape(P, S)
-    gaps = np.maximum(0.0, comm_time[:, 1:S + 1] - per_stage)  # stage s hides transfer slot s + 1
+    gaps = np.maximum(0.0, comm_time[:, :S] - per_stage)  # stage s overlaps exchange s
     gaps[:, home_stage] = 0.0
     idx = local_order
     if idx.size == 0 or not gaps.any():
@@ -200,7 +205,7 @@ def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarr
     total = np.bincount(r, weights=c, minlength=P)
     # position of each local tile's end within its rank's local work
     end = np.cumsum(c) - (np.cumsum(total) - total)[r]
-    movable = np.clip(np.minimum(per_stage[:, home_stage] - comm_time[:, home_stage + 1], total), 0.0, None)
+    movable = np.clip(np.minimum(per_stage[:, home_stage] - comm_time[:, home_stage], total), 0.0, None)
     upto = np.minimum(np.cumsum(gaps, axis=1), movable[:, None])  # [P, S] local work placed by stage s
     below = np.concatenate([np.zeros((P, 1)), upto[:, :-1]], axis=1)
     new = stage[idx].copy()
@@ -213,29 +218,40 @@ def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarr
 
 
 def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarray, *, world_size: int,
-                     cost_model: CostModel, sizes: dict, kv_relay=None, spread_forward: bool = True) -> Placement:
+                     cost_model: CostModel, sizes: dict, kv_relay=None, spread_forward: bool = True,
+                     max_stages: int | None = None) -> Placement:
     """The Placement of given homes, tile ranks and forward stages, completed: stages compacted,
     backward stages (``backward_stages``), the CommSchedule, local tiles spread into the stages where
-    transfers would otherwise be exposed (forward only with ``spread_forward``; backward always), and
-    the simulated forward + backward time. ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size."""
+    transfers would otherwise be exposed (forward only with ``spread_forward``, into one more stage of
+    local tiles after the last when ``max_stages`` allows it; backward always), and the simulated
+    forward + backward time. ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size."""
     stage, num_stages = compact_stages(stage)
     q, kv, P = tiles.q, tiles.kv, world_size
-    stage_bwd = backward_stages(q, kv, rank, home, num_stages)
-    sched = derive_schedule(home, q, kv, rank, stage, num_blocks=tiles.num_blocks, num_stages=num_stages,
-                            world_size=P, kv_relay=kv_relay, tile_stage_bwd=stage_bwd)
     block_len = tiles.block_lengths()
-    comm = {}
-    for direction in ("fwd", "bwd"):
-        table = sched.table(direction).numpy().astype(np.int64)
-        comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), P, num_stages)
+
+    def schedule_and_comm(num_stages):
+        stage_bwd = backward_stages(q, kv, rank, home, num_stages)
+        sched = derive_schedule(home, q, kv, rank, stage, num_blocks=tiles.num_blocks, num_stages=num_stages,
+                                world_size=P, kv_relay=kv_relay, tile_stage_bwd=stage_bwd)
+        comm = {}
+        for direction in ("fwd", "bwd"):
+            table = sched.table(direction).numpy().astype(np.int64)
+            comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), P, num_stages)
+        return stage_bwd, sched, comm
+
+    stage_bwd, sched, comm = schedule_and_comm(num_stages)
     compute = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"],
                                     head_dim=sizes["head_dim"]) / cost_model.fwd_rate
     if num_stages > 1:
         # moving local tiles between stages changes no transfer, so the schedule stays valid
         local = (home[q] == rank) & (home[kv] == rank)
         if spread_forward:
+            extra = max_stages is not None and num_stages <= max_stages
             stage = spread_local_tiles(stage, compute * cost_model.fwd_rate, rank, local, comm["fwd"], world_size=P,
-                                       num_stages=num_stages, fwd_rate=cost_model.fwd_rate)
+                                       num_stages=num_stages, fwd_rate=cost_model.fwd_rate, extra_stage=extra)
+            if stage.max() == num_stages:  # a last stage of local tiles now hides the final partials
+                stage_bwd, sched, comm = schedule_and_comm(num_stages + 1)
+                num_stages += 1
         stage_bwd = spread_backward_local(stage_bwd, compute * cost_model.bwd_flops_factor, rank,
                                           local_tiles_by_rank(rank, local), comm["bwd"], world_size=P,
                                           num_stages=num_stages)

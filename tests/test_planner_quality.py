@@ -103,7 +103,7 @@ def test_allgather_uses_one_stage_and_ring_one_peer_per_stage():
 
 def test_cost_model_by_hand():
     """Two ranks, causal T=256, B=128, ring: rank 1 computes (1,1) in stage 0 and (1,0) in stage 1
-    after receiving KV block 0 from rank 0."""
+    after receiving KV block 0 from rank 0 in exchange 0 (which overlaps stage 0)."""
     topo = Topology(ranks_per_node=8, intra_bw=100e9, intra_lat=1e-6)
     plan = make_plan(MaskSpec.causal(256), 2, strategy="ring", block_size=128, topology=topo, **HEADS)
     cm = CostModel(topology=topo)
@@ -119,15 +119,14 @@ def test_cost_model_by_hand():
     assert s["sim_time_fwd_per_rank"] == pytest.approx([expect_r0, expect_r1])
     assert s["sim_time_fwd"] == pytest.approx(expect_r1)
     assert s["lower_bound_fwd"] == pytest.approx((2 * diag + full) / (2 * cm.fwd_rate))
-    # backward: tile (1,0), whose dKV partial of block 0 goes home, runs first (backward stage 0) and
-    # its partial leaves in stage 1; the local tile (1,1) is pulled into stage 0 as well, where the
-    # partial's transfer would otherwise be exposed, so rank 1's backward is one overlapped step
+    # backward: tile (1,0), whose dKV partial of block 0 goes home, runs first (backward stage 0); the
+    # partial travels in exchange 1 while rank 1 computes its local tile (1,1) in stage 1
     dkv = 2 * 128 * 8 * 128 * 4
     assert s["bytes_sent_bwd"] == [0, dkv]
-    assert plan.tile_stage_bwd.tolist() == [0, 0, 0] and plan.tile_stage.tolist() == [0, 1, 0]
+    assert plan.tile_stage_bwd.tolist() == [1, 0, 1] and plan.tile_stage.tolist() == [0, 1, 0]
     bwd = plan.schedule.bwd.tolist()
     assert bwd == [[1, 1, 0, 5, 0]]  # (stage, src, dst, DKV, block 0)
-    expect_bwd_r1 = max((full + diag) * 2.5 / cm.fwd_rate, dkv / 100e9 + 1e-6)
+    expect_bwd_r1 = full * 2.5 / cm.fwd_rate + max(diag * 2.5 / cm.fwd_rate, dkv / 100e9 + 1e-6)
     assert s["sim_time_bwd_per_rank"][1] == pytest.approx(expect_bwd_r1)
 
 
@@ -282,3 +281,16 @@ def test_front_loaded_stages_receive_earlier_and_stay_valid():
                           world_size=6, dtype=torch.bfloat16, mask_signature=plan.mask_signature,
                           cost_model=cost_model, **HEADS)
     check_plan(restaged)
+
+
+def test_cost_model_follows_the_executor_exchanges():
+    # exchange j carries the inputs of stage j + 1 and the results computed in stage j - 1, and it
+    # overlaps stage j's compute: a result of the last stage travels after all compute (exposed)
+    cm = CostModel(topology=Topology(ranks_per_node=8, intra_bw=1e9, intra_lat=0.0))
+    # (stage, src, dst, kind, block): KV into rank 1 for stage 1, its OUT partial of stage 1 back
+    table = np.array([[1, 0, 1, KIND_KV, 0], [2, 1, 0, 2, 0]])
+    comm = cm.stage_comm_time(table, np.array([1000.0, 3000.0]), 2, 2)
+    assert comm.tolist() == [[1e-6, 0.0, 3e-6], [1e-6, 0.0, 3e-6]]
+    compute = np.array([[5e-6, 0.0], [2e-6, 4e-6]])
+    # rank 1: max(2, 1) + max(4, 0) + 3 (the partial after the last stage)
+    assert cm.overlapped_time(compute, comm).tolist() == pytest.approx([5e-6 + 3e-6, 9e-6])
