@@ -91,6 +91,29 @@ def _pieces(iv: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(iv[0], iv[1]), (iv[2], iv[3])]
 
 
+def _single(iv: np.ndarray) -> bool:
+    """True when no row of a canonical table has a second interval (an empty slot is (0, 0))."""
+    return np.count_nonzero(iv[3]) == 0
+
+
+def _intersect_single(a: np.ndarray, b: np.ndarray) -> torch.Tensor:
+    """``intersect`` when ``a`` has one interval per row: ``A & B1`` then ``A & B2``, already in order
+    and separated (B1 and B2 are), so only the empty pieces need moving out."""
+    out = np.empty_like(b)
+    lo, hi = np.maximum(a[0], b[0], out=out[0]), np.minimum(a[1], b[1], out=out[1])
+    empty1 = hi <= lo
+    if _single(b):
+        np.copyto(out[:2], 0, where=empty1)
+        out[2:] = 0
+        return torch.from_numpy(out)
+    lo, hi = np.maximum(a[0], b[2], out=out[2]), np.minimum(a[1], b[3], out=out[3])
+    empty2 = hi <= lo
+    np.copyto(out[:2], out[2:], where=empty1)  # A & B1 empty: A & B2 (or nothing) moves first
+    np.copyto(out[2:], 0, where=empty1 | empty2)
+    np.copyto(out[:2], 0, where=empty1 & empty2)
+    return torch.from_numpy(out)
+
+
 def intersect(a: torch.Tensor, b: torch.Tensor, total_len: int) -> Optional[torch.Tensor]:
     """Row-wise intersection of two canonical interval tables (None if a row needs > 2 intervals).
 
@@ -99,6 +122,12 @@ def intersect(a: torch.Tensor, b: torch.Tensor, total_len: int) -> Optional[torc
     non-empty (the first needs B1 to end inside A1, the second A1 to end inside B1). So the result
     is the non-empty pieces of that order, at most two of them: no sort and no merge.
     """
+    # Tables with one interval per row (documents, causal, windows) take a shorter path; the
+    # canonical form is unique, so it gives the same table.
+    if _single(a.numpy()):
+        return _intersect_single(a.numpy(), b.numpy())
+    if _single(b.numpy()):
+        return _intersect_single(b.numpy(), a.numpy())
     (a_lo1, a_hi1), (a_lo2, a_hi2) = _pieces(a)
     (b_lo1, b_hi1), (b_lo2, b_hi2) = _pieces(b)
     cross12 = (np.maximum(a_lo1, b_lo2), np.minimum(a_hi1, b_hi2))
@@ -123,6 +152,45 @@ def intersect(a: torch.Tensor, b: torch.Tensor, total_len: int) -> Optional[torc
     return torch.from_numpy(out)
 
 
+def _union_single(a: np.ndarray, b: np.ndarray) -> Optional[torch.Tensor]:
+    """``union`` when ``a`` has one interval A per row: A merges with the pieces of b it overlaps or
+    touches, or else sits beside them (a third interval: None)."""
+    a_lo, a_hi, b_lo1, b_hi1, b_lo2, b_hi2 = a[0], a[1], b[0], b[1], b[2], b[3]
+    b_two = not _single(b)
+    out = b.copy()
+    a_in = a_hi > 0  # canonical: empty is (0, 0), non-empty has hi > lo >= 0
+    touch1 = a_in & (b_hi1 > 0) & (a_lo <= b_hi1) & (b_lo1 <= a_hi)
+    # A touching B1 (and B2 if it reaches it) widens the first interval.
+    if b_two:
+        touch2 = a_in & (b_hi2 > 0) & (a_lo <= b_hi2) & (b_lo2 <= a_hi)
+        np.copyto(out[1], np.maximum(a_hi, np.where(touch2, b_hi2, b_hi1)), where=touch1)
+        # A touching B2 only widens the second; touching both leaves one interval.
+        only2 = touch2 & ~touch1
+        np.copyto(out[2], np.minimum(a_lo, b_lo2), where=only2)
+        np.copyto(out[3], np.maximum(a_hi, b_hi2), where=only2)
+        np.copyto(out[2:], 0, where=touch1 & touch2)
+        apart = a_in & ~(touch1 | touch2)
+        if bool((apart & (b_hi2 > 0)).any()):
+            return None
+    else:
+        np.copyto(out[1], np.maximum(a_hi, b_hi1), where=touch1)
+        apart = a_in & ~touch1
+    np.copyto(out[0], np.minimum(a_lo, b_lo1), where=touch1)
+    # A apart from a b with at most one interval: A first (B1, possibly empty, moves second) or second.
+    first = apart & ((b_hi1 == 0) | (a_lo < b_lo1))
+    second = apart & ~first
+    np.copyto(out[2:], out[:2], where=first)
+    np.copyto(out[:2], a[:2], where=first)
+    np.copyto(out[2:], a[:2], where=second)
+    return torch.from_numpy(out)
+
+
 def union(a: torch.Tensor, b: torch.Tensor, total_len: int) -> Optional[torch.Tensor]:
     """Row-wise union of two canonical interval tables (None if a row needs > 2 intervals)."""
+    # A table with one interval per row (documents, causal, windows) merges directly; the
+    # canonical form is unique, so the table is the same as the general merge's.
+    if _single(a.numpy()):
+        return _union_single(a.numpy(), b.numpy())
+    if _single(b.numpy()):
+        return _union_single(b.numpy(), a.numpy())
     return canonicalize(_pieces(a) + _pieces(b), total_len)

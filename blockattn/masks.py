@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import numbers
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
-from blockattn.intervals import canonicalize, intersect, union
+from blockattn.intervals import intersect, union
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -25,27 +27,47 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _EVAL_CHUNK_ELEMS = 1 << 24
 
 
+def _as_int(value):
+    """``value`` as a Python int if it is an integral number (int, numpy integer, one-element integer
+    tensor or 0-d array), else None. Booleans are not lengths: they are rejected."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, torch.Tensor):
+        integral = not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        return int(value) if integral and value.numel() == 1 else None
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+        return int(value)
+    return None
+
+
 def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
-            value = int(value)
-        else:
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    n = value if type(value) is int else _as_int(value)
+    if n is None:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if n < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {n}")
+    return n
 
 
 def _check_lengths(name: str, lengths) -> list[int]:
+    """Lengths as a list of Python ints >= 1 (from a sequence of ints or numpy integers, a 1-D integer
+    numpy array or tensor)."""
     if isinstance(lengths, torch.Tensor):
         lengths = lengths.tolist()
+    elif isinstance(lengths, np.ndarray) and lengths.ndim == 1 and lengths.dtype.kind in "iu":
+        lengths = lengths.tolist()  # Python ints, checked below like any list
     try:
         lengths = list(lengths)
     except TypeError:
         raise TypeError(f"{name} must be a sequence of ints, got {type(lengths).__name__}") from None
     for i, n in enumerate(lengths):
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"{name}[{i}] must be an int, got {type(n).__name__} ({n!r})")
+        if type(n) is not int:
+            m = _as_int(n)
+            if m is None:
+                raise TypeError(f"{name}[{i}] must be an int, got {type(n).__name__} ({n!r})")
+            lengths[i] = n = m
         if n < 1:
             raise ValueError(
                 f"{name}[{i}] = {n}: every length must be >= 1 (drop empty documents before packing)"
@@ -58,10 +80,51 @@ def _digest(*parts) -> str:
     for p in parts:
         if isinstance(p, torch.Tensor):
             h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        elif isinstance(p, np.ndarray):
+            h.update(np.ascontiguousarray(p).tobytes())
         else:
             h.update(repr(p).encode())
         h.update(b"|")
     return h.hexdigest()[:16]
+
+
+# Structured constructors write their canonical interval tables (see blockattn/intervals.py)
+# directly, in numpy, one slice per region of rows: at 1M tokens building the table this way costs
+# a few milliseconds, where merging generic per-row pieces costs tens.
+def _table(T: int) -> np.ndarray:
+    """An all-empty int32 ``[4, T]`` interval table."""
+    return np.zeros((4, T), dtype=np.int32)
+
+
+_IOTA = np.arange(0, dtype=np.int32)
+
+
+def _arange(start: int, stop: int) -> np.ndarray:
+    """``np.arange(start, stop)`` as int32 (0 <= start), a read-only view of a cached iota: callers copy
+    it into a table, and a fresh 1M-entry array per call costs a millisecond."""
+    global _IOTA
+    stop = max(start, stop)
+    if stop > _IOTA.size:
+        iota = np.arange(max(stop, 2 * _IOTA.size), dtype=np.int32)
+        iota.flags.writeable = False
+        _IOTA = iota
+    return _IOTA[start:stop]
+
+
+def _sink_window(T: int, S: int, W: int) -> torch.Tensor:
+    """Canonical table of ``k <= q and (k < S or q - k < W)`` (S = 0: a plain sliding window)."""
+    out = _table(T)
+    out[1] = _arange(1, T + 1)
+    if S == 0:  # [max(0, q - W + 1), q + 1)
+        out[0, W - 1 :] = _arange(0, T - W + 1)
+    else:
+        # The window reaches the sink (q - W + 1 <= S) for q < S + W: one interval [0, q + 1).
+        # Later rows: [0, S) and [q - W + 1, q + 1), separated by at least one key.
+        m = min(T, S + W)
+        out[1, m:] = S
+        out[2, m:] = _arange(S + 1, T - W + 1)
+        out[3, m:] = _arange(m + 1, T + 1)
+    return torch.from_numpy(out)
 
 
 class MaskSpec:
@@ -95,8 +158,9 @@ class MaskSpec:
         T = _check_int("total_len", total_len, 1)
 
         def fn():
-            q = torch.arange(T, dtype=torch.int64)
-            return canonicalize([(torch.zeros_like(q), torch.full_like(q, T))], T)
+            out = _table(T)
+            out[1] = T
+            return torch.from_numpy(out)
 
         return cls._from_intervals(T, f"full(T={T})", fn)
 
@@ -106,8 +170,9 @@ class MaskSpec:
         T = _check_int("total_len", total_len, 1)
 
         def fn():
-            q = torch.arange(T, dtype=torch.int64)
-            return canonicalize([(torch.zeros_like(q), q + 1)], T)
+            out = _table(T)
+            out[1] = _arange(1, T + 1)
+            return torch.from_numpy(out)
 
         return cls._from_intervals(T, f"causal(T={T})", fn)
 
@@ -116,12 +181,7 @@ class MaskSpec:
         """Causal with a window: ``0 <= q - k < window``."""
         T = _check_int("total_len", total_len, 1)
         W = _check_int("window", window, 1)
-
-        def fn():
-            q = torch.arange(T, dtype=torch.int64)
-            return canonicalize([((q - W + 1).clamp_min(0), q + 1)], T)
-
-        return cls._from_intervals(T, f"sliding_window(T={T},W={W})", fn)
+        return cls._from_intervals(T, f"sliding_window(T={T},W={W})", lambda: _sink_window(T, 0, W))
 
     @classmethod
     def lambda_mask(cls, total_len: int, sink: int, window: int) -> "MaskSpec":
@@ -129,36 +189,31 @@ class MaskSpec:
         T = _check_int("total_len", total_len, 1)
         S = _check_int("sink", sink, 0)
         W = _check_int("window", window, 1)
-
-        def fn():
-            q = torch.arange(T, dtype=torch.int64)
-            sink_hi = torch.minimum(torch.full_like(q, S), q + 1)
-            return canonicalize([(torch.zeros_like(q), sink_hi), ((q - W + 1).clamp_min(0), q + 1)], T)
-
-        return cls._from_intervals(T, f"lambda(T={T},S={S},W={W})", fn)
+        return cls._from_intervals(T, f"lambda(T={T},S={S},W={W})", lambda: _sink_window(T, S, W))
 
     @classmethod
     def documents(cls, seqlens: Sequence[int], causal: bool = True) -> "MaskSpec":
-        """Block-diagonal packed documents (``total_len = sum(seqlens)``), causal inside each by default."""
+        """Block-diagonal packed documents (``total_len = sum(seqlens)``), causal inside each by default.
+
+        ``seqlens`` may hold Python or numpy integers (a list, a 1-D integer array or tensor)."""
         lens = _check_lengths("seqlens", seqlens)
         if not lens:
             raise ValueError("seqlens is empty: pass at least one document length")
-        if not isinstance(causal, bool):
+        if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        causal = bool(causal)
         T = sum(lens)
-        lens_t = torch.tensor(lens, dtype=torch.int64)
+        lens_np = np.array(lens, dtype=np.int64)
 
         def fn():
-            starts = torch.cumsum(lens_t, 0) - lens_t
-            doc_start = torch.repeat_interleave(starts, lens_t)
-            # Build only the end bound this mask uses (each column costs milliseconds at 1M tokens).
-            if causal:
-                hi = torch.arange(1, T + 1, dtype=torch.int64)
-            else:
-                hi = torch.repeat_interleave(starts + lens_t, lens_t)
-            return canonicalize([(doc_start, hi)], T)
+            # Row q of document [s, e): keys [s, q + 1) (causal) or [s, e), one interval, never empty.
+            ends = np.cumsum(lens_np)
+            out = _table(T)
+            out[0] = np.repeat((ends - lens_np).astype(np.int32), lens_np)
+            out[1] = _arange(1, T + 1) if causal else np.repeat(ends.astype(np.int32), lens_np)
+            return torch.from_numpy(out)
 
-        return cls._from_intervals(T, f"documents(n={len(lens)},T={T},causal={causal},h={_digest(lens_t)})", fn)
+        return cls._from_intervals(T, f"documents(n={len(lens)},T={T},causal={causal},h={_digest(lens_np)})", fn)
 
     @classmethod
     def shared_question(cls, question_len: int, answer_lens: Sequence[int]) -> "MaskSpec":
@@ -166,17 +221,22 @@ class MaskSpec:
         Qn = _check_int("question_len", question_len, 1)
         lens = _check_lengths("answer_lens", answer_lens)
         T = Qn + sum(lens)
-        lens_t = torch.tensor([Qn] + lens, dtype=torch.int64)
+        lens_np = np.array([Qn] + lens, dtype=np.int64)
 
         def fn():
-            starts = torch.cumsum(lens_t, 0) - lens_t
-            seg_start = torch.repeat_interleave(starts, lens_t)
-            q = torch.arange(T, dtype=torch.int64)
-            is_answer = q >= Qn
-            question_hi = torch.where(is_answer, torch.full_like(q, Qn), torch.zeros_like(q))
-            return canonicalize([(torch.zeros_like(q), question_hi), (seg_start, q + 1)], T)
+            # The question and the first answer (which starts where the question ends) are causal:
+            # [0, q + 1). A later answer starting at s: [0, Qn) and [s, q + 1), with s > Qn.
+            out = _table(T)
+            out[1] = _arange(1, T + 1)
+            m = Qn + lens[0] if lens else T
+            if m < T:
+                starts = np.cumsum(lens_np) - lens_np
+                out[1, m:] = Qn
+                out[2, m:] = np.repeat(starts[2:].astype(np.int32), lens_np[2:])
+                out[3, m:] = _arange(m + 1, T + 1)
+            return torch.from_numpy(out)
 
-        return cls._from_intervals(T, f"shared_question(Q={Qn},n={len(lens)},T={T},h={_digest(lens_t)})", fn)
+        return cls._from_intervals(T, f"shared_question(Q={Qn},n={len(lens)},T={T},h={_digest(lens_np)})", fn)
 
     @classmethod
     def causal_blockwise(cls, total_len: int, block: int = 256, k_local: int = 2) -> "MaskSpec":
@@ -190,15 +250,16 @@ class MaskSpec:
         K = _check_int("k_local", k_local, 1)
 
         def fn():
-            q = torch.arange(T, dtype=torch.int64)
-            blk = q // Bk
-            last = (T - 1) // Bk
-            middle = (blk > 0) & (blk < last)
-            first_hi = torch.where(middle, torch.full_like(q, Bk), q + 1)
-            local_lo = torch.clamp_min(q - K * Bk, Bk)
-            local_hi = torch.where(middle, q + 1, torch.zeros_like(q))
-            local_lo = torch.where(middle, local_lo, torch.zeros_like(q))
-            return canonicalize([(torch.zeros_like(q), first_hi), (local_lo, local_hi)], T)
+            # Rows of the first and last blocks, and middle rows whose local window reaches block 0
+            # (q - K*Bk <= Bk), are causal: [0, q + 1). Other middle rows: [0, Bk) and [q - K*Bk, q + 1).
+            out = _table(T)
+            out[1] = _arange(1, T + 1)
+            a, b = (K + 1) * Bk + 1, ((T - 1) // Bk) * Bk
+            if a < b:
+                out[1, a:b] = Bk
+                out[2, a:b] = _arange(a - K * Bk, b - K * Bk)
+                out[3, a:b] = _arange(a + 1, b + 1)
+            return torch.from_numpy(out)
 
         return cls._from_intervals(T, f"causal_blockwise(T={T},b={Bk},k={K})", fn)
 

@@ -2,6 +2,7 @@
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 
 from blockattn import MaskSpec
 from blockattn.block_mask import FULL, PARTIAL
-from blockattn.intervals import canonicalize
+from blockattn.intervals import canonicalize, intersect, union
 
 
 def dense_from_mod(mod, T):
@@ -345,6 +346,184 @@ def test_bad_arguments_raise_value_error(build, message):
 def test_wrong_types_raise_type_error(build):
     with pytest.raises(TypeError):
         build()
+
+
+# ---------------------------------------------------------------- numpy integers as lengths and sizes
+NUMPY_INTS = [np.int64, np.int32, np.uint16, np.intp]
+
+
+def same_mask(a, b):
+    """Same interval table (dtype, shape, values), signature and description."""
+    ia, ib = a.row_intervals(), b.row_intervals()
+    assert ia.dtype == ib.dtype == torch.int32 and ia.shape == ib.shape and torch.equal(ia, ib)
+    assert a.signature() == b.signature() and repr(a) == repr(b) and a == b
+
+
+@pytest.mark.parametrize("np_int", NUMPY_INTS)
+def test_numpy_integers_are_accepted_everywhere(np_int):
+    lens = [5, 1, 9, 3]
+    T = sum(lens)
+    as_np = [np_int(n) for n in lens]
+    for seqlens in (as_np, np.array(lens, dtype=np_int), tuple(as_np), torch.tensor(lens)):
+        same_mask(MaskSpec.documents(seqlens), MaskSpec.documents(lens))
+        same_mask(MaskSpec.documents(seqlens, causal=False), MaskSpec.documents(lens, causal=False))
+        same_mask(MaskSpec.shared_question(np_int(4), seqlens), MaskSpec.shared_question(4, lens))
+    t = np_int(T)
+    same_mask(MaskSpec.full(t), MaskSpec.full(T))
+    same_mask(MaskSpec.causal(t), MaskSpec.causal(T))
+    same_mask(MaskSpec.sliding_window(t, np_int(3)), MaskSpec.sliding_window(T, 3))
+    same_mask(MaskSpec.lambda_mask(t, np_int(2), np_int(4)), MaskSpec.lambda_mask(T, 2, 4))
+    same_mask(MaskSpec.causal_blockwise(t, np_int(3), np_int(2)), MaskSpec.causal_blockwise(T, 3, 2))
+    same_mask(
+        MaskSpec.documents(as_np) & MaskSpec.lambda_mask(t, np_int(1), np_int(3)),
+        MaskSpec.documents(lens) & MaskSpec.lambda_mask(T, 1, 3),
+    )
+    spec = MaskSpec.from_mask_mod(causal_mod, t)
+    assert spec.total_len == T and type(spec.total_len) is int
+    assert spec.signature() == MaskSpec.from_mask_mod(causal_mod, T).signature()
+    spec = MaskSpec.causal(t)
+    assert spec.block_mask(np_int(4)) is spec.block_mask(4)  # one cache entry per block size
+    assert type(spec.block_mask(4).block_size) is int
+
+
+def test_lengths_from_numpy_arrays_as_users_load_them():
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 50, size=20)  # int64 array, as np.loadtxt / rng.integers give
+    spec = MaskSpec.documents(lens)
+    assert spec.total_len == int(lens.sum()) and type(spec.total_len) is int
+    same_mask(spec, MaskSpec.documents(lens.tolist()))
+    same_mask(MaskSpec.documents(lens[::2]), MaskSpec.documents(lens[::2].tolist()))  # strided view
+    same_mask(MaskSpec.documents(list(lens)), MaskSpec.documents(lens.tolist()))  # list of np.int64
+
+
+@pytest.mark.parametrize(
+    "build, error, message",
+    [
+        (lambda: MaskSpec.documents([3, True]), TypeError, r"seqlens\[1\] must be an int, got bool"),
+        (lambda: MaskSpec.documents([3, np.True_]), TypeError, r"seqlens\[1\] must be an int, got bool"),
+        (lambda: MaskSpec.documents(np.array([2.0, 3.0])), TypeError, r"seqlens\[0\] must be an int, got float64"),
+        (lambda: MaskSpec.documents([np.float32(2)]), TypeError, r"seqlens\[0\] must be an int, got float32"),
+        (lambda: MaskSpec.documents(np.array([True, True])), TypeError, r"seqlens\[0\] must be an int"),
+        (lambda: MaskSpec.documents(torch.tensor([2.0])), TypeError, r"seqlens\[0\] must be an int, got float"),
+        (lambda: MaskSpec.documents(np.array([[2, 3]])), TypeError, r"seqlens\[0\] must be an int, got ndarray"),
+        (lambda: MaskSpec.documents(np.array([3, 0, 2])), ValueError, r"seqlens\[1\] = 0"),
+        (lambda: MaskSpec.documents([np.int64(3), np.int64(-2)]), ValueError, r"seqlens\[1\] = -2"),
+        (lambda: MaskSpec.documents(np.array([], dtype=np.int64)), ValueError, "seqlens is empty"),
+        (lambda: MaskSpec.shared_question(4, np.array([3, 0])), ValueError, r"answer_lens\[1\] = 0"),
+        (lambda: MaskSpec.shared_question(np.int64(0), [3]), ValueError, "question_len must be >= 1, got 0"),
+        (lambda: MaskSpec.causal(np.int64(0)), ValueError, "total_len must be >= 1, got 0"),
+        (lambda: MaskSpec.causal(np.int32(-3)), ValueError, "total_len must be >= 1, got -3"),
+        (lambda: MaskSpec.sliding_window(10, np.int64(0)), ValueError, "window must be >= 1"),
+        (lambda: MaskSpec.lambda_mask(10, np.int64(-1), 4), ValueError, "sink must be >= 0"),
+        (lambda: MaskSpec.causal_blockwise(10, block=np.int64(0)), ValueError, "block must be >= 1"),
+        (lambda: MaskSpec.causal(True), TypeError, "total_len must be an int, got bool"),
+        (lambda: MaskSpec.causal(np.True_), TypeError, "total_len must be an int, got bool"),
+        (lambda: MaskSpec.causal(np.float64(10)), TypeError, "total_len must be an int, got float64"),
+        (lambda: MaskSpec.causal(torch.tensor(True)), TypeError, "total_len must be an int, got Tensor"),
+        (lambda: MaskSpec.lambda_mask(10, 2.0, 4), TypeError, "sink must be an int, got float"),
+        (lambda: MaskSpec.from_mask_mod(causal_mod, np.float32(4)), TypeError, "total_len must be an int"),
+        (lambda: MaskSpec.causal(10).block_mask(np.float64(4)), TypeError, "block_size must be an int"),
+    ],
+)
+def test_numpy_and_bool_edge_cases_give_clear_errors(build, error, message):
+    with pytest.raises(error, match=message):
+        build()
+
+
+# ---------------------------------------------------------------- fast table builders
+def generic_table(kind, *args):
+    """The constructors' interval tables from per-row pieces merged by ``canonicalize`` (the
+    definitions, written with torch ops as they were before the direct numpy builders)."""
+    if kind == "docs":
+        seqlens, causal = args
+        lens = torch.tensor(seqlens)
+        T = int(lens.sum())
+        starts = torch.cumsum(lens, 0) - lens
+        hi = torch.arange(1, T + 1) if causal else torch.repeat_interleave(starts + lens, lens)
+        return canonicalize([(torch.repeat_interleave(starts, lens), hi)], T)
+    if kind == "sq":
+        Q, answers = args
+        lens = torch.tensor([Q] + answers)
+        T = int(lens.sum())
+        seg_start = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        q = torch.arange(T)
+        return canonicalize([(torch.zeros_like(q), torch.where(q >= Q, Q, 0)), (seg_start, q + 1)], T)
+    T = args[0]
+    q = torch.arange(T)
+    zero = torch.zeros_like(q)
+    if kind == "full":
+        return canonicalize([(zero, torch.full_like(q, T))], T)
+    if kind == "causal":
+        return canonicalize([(zero, q + 1)], T)
+    if kind == "window":
+        return canonicalize([((q - args[1] + 1).clamp_min(0), q + 1)], T)
+    if kind == "lambda":
+        S, W = args[1:]
+        return canonicalize([(zero, torch.minimum(torch.full_like(q, S), q + 1)), ((q - W + 1).clamp_min(0), q + 1)], T)
+    Bk, K = args[1:]
+    middle = (q // Bk > 0) & (q // Bk < (T - 1) // Bk)
+    first = (zero, torch.where(middle, Bk, q + 1))
+    local = (torch.where(middle, torch.clamp_min(q - K * Bk, Bk), 0), torch.where(middle, q + 1, 0))
+    return canonicalize([first, local], T)
+
+
+@settings(max_examples=300)
+@given(st.data())
+def test_direct_tables_equal_generic_canonical_tables(data):
+    kind = data.draw(st.sampled_from(["full", "causal", "window", "lambda", "cbw", "docs", "sq"]))
+    T = data.draw(st.integers(1, 60))
+    if kind == "docs":
+        seqlens, causal = data.draw(seqlens_st), data.draw(st.booleans())
+        args, spec = (seqlens, causal), MaskSpec.documents(seqlens, causal)
+    elif kind == "sq":
+        Q, answers = data.draw(st.integers(1, 12)), data.draw(st.lists(st.integers(1, 9), max_size=5))
+        args, spec = (Q, answers), MaskSpec.shared_question(Q, answers)
+    elif kind == "full":
+        args, spec = (T,), MaskSpec.full(T)
+    elif kind == "causal":
+        args, spec = (T,), MaskSpec.causal(T)
+    elif kind == "window":
+        W = data.draw(st.integers(1, 70))
+        args, spec = (T, W), MaskSpec.sliding_window(T, W)
+    elif kind == "lambda":
+        S, W = data.draw(st.integers(0, 70)), data.draw(st.integers(1, 70))
+        args, spec = (T, S, W), MaskSpec.lambda_mask(T, S, W)
+    else:
+        Bk, K = data.draw(st.integers(1, 25)), data.draw(st.integers(1, 4))
+        args, spec = (T, Bk, K), MaskSpec.causal_blockwise(T, Bk, K)
+    iv, ref = spec.row_intervals(), generic_table(kind, *args)
+    assert iv.dtype == ref.dtype and iv.shape == ref.shape and iv.is_contiguous() and torch.equal(iv, ref)
+
+
+@st.composite
+def single_interval_tables(draw, T):
+    """A table with one interval per row (like documents, causal and window masks)."""
+    lo = torch.tensor(draw(st.lists(st.integers(-2, T + 2), min_size=T, max_size=T)))
+    hi = torch.tensor(draw(st.lists(st.integers(-2, T + 2), min_size=T, max_size=T)))
+    return canonicalize([(lo, hi)], T)
+
+
+@settings(max_examples=200)
+@given(st.data())
+def test_set_operations_with_single_interval_tables(data):
+    """``intersect``/``union`` shortcut single-interval operands; the result must be the same canonical
+    table as the pointwise definition gives (canonical tables are unique)."""
+    a = data.draw(interval_tables())
+    T = a.total_len
+    single = data.draw(single_interval_tables(T))
+    other = data.draw(st.sampled_from([a.row_intervals(), data.draw(single_interval_tables(T))]))
+    dense = lambda iv: MaskSpec._from_intervals(T, "t", lambda: iv).to_dense()  # noqa: E731
+    for x, y in ((single, other), (other, single)):
+        for op, expected in ((intersect, dense(x) & dense(y)), (union, dense(x) | dense(y))):
+            out = op(x, y, T)
+            if out is None:
+                assert op is union
+                continue
+            assert out.dtype == torch.int32 and out.shape == (4, T) and out.is_contiguous()
+            assert_canonical(out, T)
+            assert torch.equal(dense(out), expected)
+            if op is intersect:
+                assert torch.equal(out, intersect(y, x, T))
 
 
 def test_classification_scales_without_dense_masks():
