@@ -138,7 +138,7 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      element_size=torch.empty((), dtype=dtype).element_size())
         done = finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes,
-                                kv_relay=relay if relay.shape[0] else None, spread_forward=False)
+                                kv_relay=relay if relay.shape[0] else None, spread_forward=False, score=False)
         schedule, stage_bwd = done.schedule, done.tile_stage_bwd
     elif schedule is None or schedule.num_stages != num_stages or not np.array_equal(stage, placement.tile_stage):
         # compaction renumbers stages monotonically, so a relay's "held strictly before" still holds

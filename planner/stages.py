@@ -14,6 +14,8 @@ stage of its last-arriving item.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .cost_model import CostModel
@@ -219,25 +221,30 @@ def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarr
 
 def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarray, *, world_size: int,
                      cost_model: CostModel, sizes: dict, kv_relay=None, spread_forward: bool = True,
-                     max_stages: int | None = None) -> Placement:
+                     max_stages: int | None = None, score: bool = True) -> Placement:
     """The Placement of given homes, tile ranks and forward stages, completed: stages compacted,
     backward stages (``backward_stages``), the CommSchedule, local tiles spread into the stages where
     transfers would otherwise be exposed (forward only with ``spread_forward``, into one more stage of
     local tiles after the last when ``max_stages`` allows it; backward always), and the simulated
-    forward + backward time. ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size."""
+    forward + backward time (``score``; without it, ``sim_time`` is None and the forward's transfer
+    times are not computed). ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size."""
     stage, num_stages = compact_stages(stage)
     q, kv, P = tiles.q, tiles.kv, world_size
     block_len = tiles.block_lengths()
+
+    def comm_of(sched):
+        comm = {}
+        for direction in ("fwd", "bwd") if score or spread_forward else ("bwd",):
+            table = sched.table(direction).numpy().astype(np.int64)
+            comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), P,
+                                                         sched.num_stages)
+        return comm
 
     def schedule_and_comm(num_stages):
         stage_bwd = backward_stages(q, kv, rank, home, num_stages)
         sched = derive_schedule(home, q, kv, rank, stage, num_blocks=tiles.num_blocks, num_stages=num_stages,
                                 world_size=P, kv_relay=kv_relay, tile_stage_bwd=stage_bwd)
-        comm = {}
-        for direction in ("fwd", "bwd"):
-            table = sched.table(direction).numpy().astype(np.int64)
-            comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), P, num_stages)
-        return stage_bwd, sched, comm
+        return stage_bwd, sched, comm_of(sched)
 
     stage_bwd, sched, comm = schedule_and_comm(num_stages)
     compute = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"],
@@ -250,8 +257,15 @@ def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarra
             stage = spread_local_tiles(stage, compute * cost_model.fwd_rate, rank, local, comm["fwd"], world_size=P,
                                        num_stages=num_stages, fwd_rate=cost_model.fwd_rate, extra_stage=extra)
             if stage.max() == num_stages:  # a last stage of local tiles now hides the final partials
-                stage_bwd, sched, comm = schedule_and_comm(num_stages + 1)
                 num_stages += 1
+                if kv_relay is None:
+                    # same rows (local tiles move none; the backward classes of remote tiles keep
+                    # their stages), one more stage: no need to derive the schedule again
+                    stage_bwd = backward_stages(q, kv, rank, home, num_stages)
+                    sched = replace(sched, num_stages=num_stages)
+                    comm = comm_of(sched)
+                else:  # a DKV reduce tree may find room in the new stage
+                    stage_bwd, sched, comm = schedule_and_comm(num_stages)
         stage_bwd = spread_backward_local(stage_bwd, compute * cost_model.bwd_flops_factor, rank,
                                           local_tiles_by_rank(rank, local), comm["bwd"], world_size=P,
                                           num_stages=num_stages)
@@ -259,7 +273,10 @@ def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarra
     def per_stage(st):
         return np.bincount(rank * num_stages + st, weights=compute, minlength=P * num_stages).reshape(P, num_stages)
 
-    fwd, bwd = cost_model.step_times(per_stage(stage), comm["fwd"], comm["bwd"], per_stage(stage_bwd))
+    sim_time = None
+    if score:
+        fwd, bwd = cost_model.step_times(per_stage(stage), comm["fwd"], comm["bwd"], per_stage(stage_bwd))
+        sim_time = float(fwd.max() + bwd.max())
     return Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched,
                      kv_relay=None if kv_relay is None else np.asarray(kv_relay, dtype=np.int64),
-                     sim_time=float(fwd.max() + bwd.max()), tile_stage_bwd=stage_bwd)
+                     sim_time=sim_time, tile_stage_bwd=stage_bwd)
