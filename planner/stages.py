@@ -179,6 +179,34 @@ def backward_stages(q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.nd
     return np.where(remote_q, min(1, last), np.where(remote_kv, 0, min(2, last))).astype(np.int64)
 
 
+def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,
+                          compute: np.ndarray, comm_time: np.ndarray, *, world_size: int, num_stages: int) -> np.ndarray:
+    """``backward_stages`` refined where a rank's exchange 1 (the dK/dV partials of its stage-0 tiles,
+    dO for its stage-1 tiles) is exposed while stage 0 has compute to spare: whole (rank, kv-block)
+    groups of stage-0 tiles, latest kv-blocks first, move to stage 1 - up to half the smaller of gap
+    and surplus, since each moved group's partial also moves on to exchange 2. ``compute``: per-tile
+    backward seconds; ``comm_time`` [P, S + 1]: backward transfer time per exchange."""
+    S, P, nB = num_stages, world_size, home.size
+    if S < 3:
+        return stage
+    per_stage = np.bincount(rank * S + stage, weights=compute, minlength=P * S).reshape(P, S)
+    take = np.minimum(comm_time[:, 1] - per_stage[:, 1], per_stage[:, 0] - comm_time[:, 0]) / 2
+    movable = (stage == 0) & (home[kv] != rank) & (take[rank] > 0)
+    if not movable.any():
+        return stage
+    idx = np.flatnonzero(movable)
+    key = rank[idx] * nB + (nB - 1 - kv[idx])  # per rank, latest kv-block first
+    groups, of_tile = np.unique(key, return_inverse=True)
+    group_rank = groups // nB
+    group_c = np.bincount(of_tile, weights=compute[idx], minlength=groups.size)
+    cum = np.cumsum(group_c)
+    before_rank = np.concatenate([[0.0], cum])[np.searchsorted(group_rank, group_rank)]  # cum before the rank's first group
+    chosen = (cum - before_rank) <= take[group_rank]
+    stage = stage.copy()
+    stage[idx[chosen[of_tile]]] = 1
+    return stage
+
+
 def local_tiles_by_rank(rank: np.ndarray, is_local: np.ndarray) -> np.ndarray:
     """Indices of the purely local tiles, grouped by rank (tile order kept inside a rank)."""
     idx = np.flatnonzero(is_local)
@@ -249,6 +277,7 @@ def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarra
     stage_bwd, sched, comm = schedule_and_comm(num_stages)
     compute = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"],
                                     head_dim=sizes["head_dim"]) / cost_model.fwd_rate
+    compute_bwd = compute * cost_model.bwd_flops_factor
     if num_stages > 1:
         # moving local tiles between stages changes no transfer, so the schedule stays valid
         local = (home[q] == rank) & (home[kv] == rank)
@@ -266,9 +295,29 @@ def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarra
                     comm = comm_of(sched)
                 else:  # a DKV reduce tree may find room in the new stage
                     stage_bwd, sched, comm = schedule_and_comm(num_stages)
-        stage_bwd = spread_backward_local(stage_bwd, compute * cost_model.bwd_flops_factor, rank,
-                                          local_tiles_by_rank(rank, local), comm["bwd"], world_size=P,
-                                          num_stages=num_stages)
+        local_order = local_tiles_by_rank(rank, local)
+
+        def spread_and_time(stage_bwd, comm_bwd):
+            stage_bwd = spread_backward_local(stage_bwd, compute_bwd, rank, local_order, comm_bwd, world_size=P,
+                                              num_stages=num_stages)
+            per = np.bincount(rank * num_stages + stage_bwd, weights=compute_bwd,
+                              minlength=P * num_stages).reshape(P, num_stages)
+            return stage_bwd, float(cost_model.overlapped_time(per, comm_bwd).max())
+
+        # several nodes only: on one node the cheap NVLink leaves exchange 1 covered (no gain measured)
+        multi_node = P > cost_model.topology.ranks_per_node
+        split = split_backward_stages(stage_bwd, q, kv, rank, home, compute_bwd, comm["bwd"], world_size=P,
+                                      num_stages=num_stages) if multi_node else stage_bwd
+        moved = not np.array_equal(split, stage_bwd)
+        stage_bwd, bwd_time = spread_and_time(stage_bwd, comm["bwd"])
+        if moved:
+            sched_split = derive_schedule(home, q, kv, rank, stage, num_blocks=tiles.num_blocks,
+                                          num_stages=num_stages, world_size=P, kv_relay=kv_relay,
+                                          tile_stage_bwd=split)
+            comm_split = comm_of(sched_split)
+            split, split_time = spread_and_time(split, comm_split["bwd"])
+            if split_time < bwd_time:  # keep whichever backward staging simulates faster
+                stage_bwd, sched, comm = split, sched_split, comm_split
 
     def per_stage(st):
         return np.bincount(rank * num_stages + st, weights=compute, minlength=P * num_stages).reshape(P, num_stages)

@@ -294,3 +294,24 @@ def test_cost_model_follows_the_executor_exchanges():
     compute = np.array([[5e-6, 0.0], [2e-6, 4e-6]])
     # rank 1: max(2, 1) + max(4, 0) + 3 (the partial after the last stage)
     assert cm.overlapped_time(compute, comm).tolist() == pytest.approx([5e-6 + 3e-6, 9e-6])
+
+
+def test_split_backward_stages_moves_whole_remote_kv_groups_within_the_gap():
+    # rank 0 owns q-blocks 0-1 and reads remote kv-blocks 2-5 (homes 1): four groups of two tiles in
+    # backward stage 0; its exchange 1 (their partials) is exposed and stage 0 has compute to spare
+    from blockattn.planner.stages import split_backward_stages
+
+    home = np.array([0, 0, 1, 1, 1, 1])
+    q = np.array([0, 1] * 4 + [2])
+    kv = np.repeat([2, 3, 4, 5], 2).tolist() + [2]
+    kv = np.array(kv)
+    rank = np.array([0] * 8 + [1])
+    stage = np.zeros(9, dtype=np.int64)
+    compute = np.full(9, 1.0)
+    comm = np.array([[0.0, 6.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # exchange 1 of rank 0: 6 s, stage 1 empty
+    new = split_backward_stages(stage, q, kv, rank, home, compute, comm, world_size=2, num_stages=3)
+    # take = min(gap 6, surplus 8) / 2 = 3: one whole group of 2 tiles (the latest kv-block, 5) moves
+    assert new.tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 0]
+    for b in (2, 3, 4, 5):  # groups stay whole
+        assert len(set(new[(rank == 0) & (kv == b)].tolist())) == 1
+    assert split_backward_stages(stage, q, kv, rank, home, compute, comm, world_size=2, num_stages=2) is stage
