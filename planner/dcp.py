@@ -116,14 +116,16 @@ def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel,
                     contiguous_parts=inner == "fcp")
     home = np.empty(tiles.num_blocks, dtype=np.int64)
     local = np.full(tiles.num_blocks, -1, dtype=np.int64)
-    inside = node[tiles.q] == node[tiles.kv]  # a node's own sub-batch (tiles across nodes stay as placed)
+    if inner == "fcp":
+        inside = node[tiles.q] == node[tiles.kv]  # a node's own sub-batch (tiles across nodes stay as placed)
     for n, ranks in enumerate(node_ranks.tolist()):
         blocks = np.flatnonzero(node == n)
-        local[blocks] = np.arange(blocks.size)
-        sel = inside & (node[tiles.q] == n)
-        sub = TileSet(total_len=blocks.size * tiles.block_size, block_size=tiles.block_size, num_blocks=blocks.size,
-                      q=local[tiles.q[sel]], kv=local[tiles.kv[sel]], full=tiles.full[sel], pairs=tiles.pairs[sel])
         if inner == "fcp":
+            local[blocks] = np.arange(blocks.size)
+            sel = inside & (node[tiles.q] == n)
+            sub = TileSet(total_len=blocks.size * tiles.block_size, block_size=tiles.block_size,
+                          num_blocks=blocks.size, q=local[tiles.q[sel]], kv=local[tiles.kv[sel]],
+                          full=tiles.full[sel], pairs=tiles.pairs[sel])
             home[blocks] = n * rpn + fcp_home(sub, ranks, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
         else:
             home[blocks] = n * rpn + runs_to_home(balanced_bounds(blocks.size, ranks), np.arange(ranks), blocks.size)
