@@ -10,6 +10,8 @@ vectorised ``mask_mod`` and to per-tile bitmasks.
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import inspect
 import numbers
@@ -127,6 +129,30 @@ def _sink_window(T: int, S: int, W: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def _recorded(constructor):
+    """Remember a public constructor's call on the spec it builds: the spec pickles as that call
+    (a few numbers, not a [4, T] table), so worker processes rebuild it (planner/ahead.py)."""
+
+    @functools.wraps(constructor)
+    def build(cls, *args, **kwargs):
+        spec = constructor(cls, *args, **kwargs)
+        # copied: a caller mutating its seqlens list later must not change what the spec rebuilds to
+        spec._recipe = (constructor.__name__, *copy.deepcopy((args, kwargs)))
+        return spec
+
+    return build
+
+
+def _rebuild(recipe) -> "MaskSpec":
+    """Inverse of ``MaskSpec.__reduce__``: replay the recorded constructor call or composition."""
+    name, *rest = recipe
+    if name in ("&", "|"):
+        left, right = rest
+        return left._combine(right, name)
+    args, kwargs = rest
+    return getattr(MaskSpec, name)(*args, **kwargs)
+
+
 class MaskSpec:
     """An attention mask over ``total_len`` packed tokens (True = attend).
 
@@ -135,7 +161,8 @@ class MaskSpec:
     ``block_mask(block_size)``.
     """
 
-    __slots__ = ("total_len", "_desc", "_interval_fn", "_intervals", "_user_mod", "_signature", "_block_masks")
+    __slots__ = ("total_len", "_desc", "_interval_fn", "_intervals", "_user_mod", "_signature", "_block_masks",
+                 "_recipe")
 
     def __init__(self, total_len: int, desc: str, *, interval_fn=None, user_mod: Optional[MaskMod] = None):
         # Private: use the named constructors.
@@ -146,6 +173,7 @@ class MaskSpec:
         self._user_mod = user_mod
         self._signature = None
         self._block_masks = {}
+        self._recipe = None  # how to rebuild it in another process (set by the public constructors)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -153,6 +181,7 @@ class MaskSpec:
         return cls(total_len, desc, interval_fn=fn)
 
     @classmethod
+    @_recorded
     def full(cls, total_len: int) -> "MaskSpec":
         """Every query attends every key."""
         T = _check_int("total_len", total_len, 1)
@@ -165,6 +194,7 @@ class MaskSpec:
         return cls._from_intervals(T, f"full(T={T})", fn)
 
     @classmethod
+    @_recorded
     def causal(cls, total_len: int) -> "MaskSpec":
         """Query q attends keys k <= q."""
         T = _check_int("total_len", total_len, 1)
@@ -177,6 +207,7 @@ class MaskSpec:
         return cls._from_intervals(T, f"causal(T={T})", fn)
 
     @classmethod
+    @_recorded
     def sliding_window(cls, total_len: int, window: int) -> "MaskSpec":
         """Causal with a window: ``0 <= q - k < window``."""
         T = _check_int("total_len", total_len, 1)
@@ -184,6 +215,7 @@ class MaskSpec:
         return cls._from_intervals(T, f"sliding_window(T={T},W={W})", lambda: _sink_window(T, 0, W))
 
     @classmethod
+    @_recorded
     def lambda_mask(cls, total_len: int, sink: int, window: int) -> "MaskSpec":
         """Causal "lambda" mask: ``k <= q and (k < sink or q - k < window)`` (DCP: sink 64, window 4096)."""
         T = _check_int("total_len", total_len, 1)
@@ -192,6 +224,7 @@ class MaskSpec:
         return cls._from_intervals(T, f"lambda(T={T},S={S},W={W})", lambda: _sink_window(T, S, W))
 
     @classmethod
+    @_recorded
     def documents(cls, seqlens: Sequence[int], causal: bool = True) -> "MaskSpec":
         """Block-diagonal packed documents (``total_len = sum(seqlens)``), causal inside each by default.
 
@@ -216,6 +249,7 @@ class MaskSpec:
         return cls._from_intervals(T, f"documents(n={len(lens)},T={T},causal={causal},h={_digest(lens_np)})", fn)
 
     @classmethod
+    @_recorded
     def shared_question(cls, question_len: int, answer_lens: Sequence[int]) -> "MaskSpec":
         """``[question | answer_1 | ...]``: causal question; each answer sees the question and itself causally."""
         Qn = _check_int("question_len", question_len, 1)
@@ -239,6 +273,7 @@ class MaskSpec:
         return cls._from_intervals(T, f"shared_question(Q={Qn},n={len(lens)},T={T},h={_digest(lens_np)})", fn)
 
     @classmethod
+    @_recorded
     def causal_blockwise(cls, total_len: int, block: int = 256, k_local: int = 2) -> "MaskSpec":
         """DCP's causal-blockwise mask.
 
@@ -264,6 +299,7 @@ class MaskSpec:
         return cls._from_intervals(T, f"causal_blockwise(T={T},b={Bk},k={K})", fn)
 
     @classmethod
+    @_recorded
     def from_mask_mod(cls, mask_mod: Callable, total_len: int) -> "MaskSpec":
         """Any vectorised ``mask_mod(q_idx, kv_idx) -> bool tensor`` (or FlexAttention's ``(b, h, q_idx, kv_idx)``)."""
         T = _check_int("total_len", total_len, 1)
@@ -318,6 +354,11 @@ class MaskSpec:
 
     def _combine(self, other: "MaskSpec", op: str) -> "MaskSpec":
         self._check_same_len(other, op)
+        spec = self._combined(other, op)
+        spec._recipe = (op, self, other)
+        return spec
+
+    def _combined(self, other: "MaskSpec", op: str) -> "MaskSpec":
         T = self.total_len
         desc = f"({self._desc}{op}{other._desc})"
         if self.has_intervals and other.has_intervals:
@@ -421,6 +462,12 @@ class MaskSpec:
 
     def __repr__(self) -> str:
         return f"MaskSpec({self._desc})"
+
+    def __reduce__(self):
+        # Pickled as the constructor call that built it; a mask_mod spec needs a picklable function.
+        if self._recipe is None:
+            raise TypeError(f"{self!r} was not built by a public MaskSpec constructor and cannot be pickled")
+        return _rebuild, (self._recipe,)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, MaskSpec) and other.total_len == self.total_len and other.signature() == self.signature()

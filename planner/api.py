@@ -58,17 +58,10 @@ def _check_positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
-def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
-              dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
-              topology: Topology | None = None, max_stages: int = 4, check: bool = True) -> Plan:
-    """Plan one batch: which rank holds each token block, which rank computes each non-empty tile
-    in which stage, and every transfer that implies (see docs/design.md, "Plan").
-
-    ``strategy``: "dcp" (default), "fcp", or a baseline "ring", "zigzag", "allgather".
-    ``topology``: ranks per node and link speeds (default: 8 H200 per node, NVLink + 400 Gb/s).
-    ``max_stages``: upper bound on communication stages for dcp/fcp (stage 0 excluded).
-    ``check``: verify the plan's consistency (planner/schedule.py ``check_plan``) before returning.
-    """
+def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    block_size: int | None, strategy: str, topology: Topology | None, max_stages: int) -> tuple:
+    """Validate make_plan's arguments other than the mask (TypeError / ValueError naming the bad one);
+    returns (world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology) normalized."""
     world_size = _check_positive_int("world_size", world_size)
     if world_size > MAX_WORLD_SIZE:
         raise ValueError(f"world_size {world_size} exceeds the supported maximum {MAX_WORLD_SIZE}")
@@ -82,10 +75,29 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
         raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if block_size is not None:
+        _check_positive_int("block_size", block_size)
     if topology is None:
         topology = Topology()
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a blockattn.planner.Topology, got {type(topology).__name__}")
+    return world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology
+
+
+def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+              dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
+              topology: Topology | None = None, max_stages: int = 4, check: bool = True) -> Plan:
+    """Plan one batch: which rank holds each token block, which rank computes each non-empty tile
+    in which stage, and every transfer that implies (see docs/design.md, "Plan").
+
+    ``strategy``: "dcp" (default), "fcp", or a baseline "ring", "zigzag", "allgather".
+    ``topology``: ranks per node and link speeds (default: 8 H200 per node, NVLink + 400 Gb/s).
+    ``max_stages``: upper bound on communication stages for dcp/fcp (stage 0 excluded).
+    ``check``: verify the plan's consistency (planner/schedule.py ``check_plan``) before returning.
+    """
+    world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology = check_plan_args(
+        world_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+        block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages)
     for attr in ("total_len", "signature", "block_mask"):
         if not hasattr(mask_spec, attr):
             raise TypeError(f"mask_spec must be a blockattn MaskSpec (missing .{attr}), got {type(mask_spec).__name__}")

@@ -39,12 +39,13 @@ class Balancer:
     """Mutable tile -> rank assignment with per-rank compute time and transfer bytes."""
 
     def __init__(self, tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology, *,
-                 num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int):
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, relay_aware: bool = False):
         P, nB = world_size, tiles.num_blocks
         self.t, self.home, self.c, self.P, self.nB = tiles, home, compute, P, nB
         self.node = topology.node_of(np.arange(P))
         self.bw = np.array([topology.intra_bw, topology.inter_bw])
         self.multi_node = bool(self.node.max() > 0)
+        self.relay_aware = relay_aware and self.multi_node
         lens = tiles.block_lengths()
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size)
         self.q_bytes = payload_bytes(KIND_Q, lens, **sizes).astype(np.float64)
@@ -59,11 +60,14 @@ class Balancer:
         self.recv = np.zeros((P, 2))
         self.have_q = np.zeros((P, nB), dtype=bool)
         self.have_kv = np.zeros((P, nB), dtype=bool)
+        self.num_nodes = int(self.node.max()) + 1
+        self.node_kv = np.zeros((self.num_nodes, nB), dtype=np.int64) - 1  # a rank of the node holding b, or -1
         self.has_out = np.zeros((P, nB), dtype=bool)
         self._scratch = np.zeros(nB, dtype=np.int64)
         blocks = np.arange(nB)
         self.have_q[home, blocks] = True
         self.have_kv[home, blocks] = True
+        self.node_kv[self.node[home], blocks] = home
         remote = home[tiles.kv] != self.rank
         self._add_kv(self.rank[remote], tiles.kv[remote])
 
@@ -84,6 +88,22 @@ class Balancer:
             dst, kv = key // self.nB, key % self.nB
         self.have_kv[dst, kv] = True
         src, link = self.home[kv], self._link(self.home[kv], dst)
+        if self.relay_aware:
+            # a block another rank of dst's node already holds comes from it over NVLink (a relay);
+            # the first receiver on a node (per block, in this batch) is the one that crosses the NIC
+            nd = self.node[dst]
+            holder = self.node_kv[nd, kv]
+            order = np.lexsort((dst, kv, nd))
+            key = (nd * self.nB + kv)[order]
+            first = np.r_[True, key[1:] != key[:-1]] if key.size else key.astype(bool)
+            first_rank = np.empty_like(dst)
+            first_rank[order] = dst[order][np.flatnonzero(first)[np.cumsum(first) - 1]]
+            holder = np.where(holder >= 0, holder, np.where(first_rank != dst, first_rank, -1))
+            relayed = (holder >= 0) & (link == 1)
+            src = np.where(relayed, holder, src)
+            link = np.where(relayed, 0, link)
+            fresh = self.node_kv[nd, kv] < 0
+            self.node_kv[nd[fresh], kv[fresh]] = first_rank[fresh]
         np.add.at(self.send, (src, link), self.kv_bytes[kv])
         np.add.at(self.recv, (dst, link), self.kv_bytes[kv])
 
@@ -123,6 +143,8 @@ class Balancer:
         new_out = first_q & (hq != t) & ~self.has_out[t, q]
         new_kv = _first_occurrence(kv, self._scratch) & ~self.have_kv[t, kv]
         lq, lkv = self._link(hq, t), self._link(hkv, t)
+        if self.relay_aware:
+            lkv = lkv & (self.node_kv[self.node[t], kv] < 0)  # held on t's node: relayed over NVLink
         q_bytes, out_bytes = self.q_bytes[q], self.out_bytes[q]
         own_q = hq == r
         q_in = self._per_link(new_q, q_bytes, lq)

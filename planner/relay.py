@@ -10,8 +10,9 @@ question, the first blocks of causal_blockwise, a sink) pushes one copy per remo
 NIC (``inter_bw``, 9x slower than NVLink in the cost model). With a relay it sends one per remote
 *node*:
 
-* For b and a remote node N with >= 2 receivers, the *proxy* p is the receiver on N with the earliest
-  f (ties: lowest rank); it receives b from the home as before. Each other receiver r on N with
+* For b and a remote node N with >= 2 receivers, the *proxy* p is a receiver on N with the earliest
+  f (ties: the lowest rank, or rotating with b so that a node's NICs share the inbound copies; both
+  are weighed); it receives b from the home as before. Each other receiver r on N with
   f_r > f_p gets b from p in stage f_r: stage f_r's exchange is posted before stage f_r - 1 computes,
   when p already holds b (received by stage f_p <= f_r - 1).
 * A receiver with f_r == f_p either *delays* its tiles that read b to stage f_p + 1 (a tile may
@@ -87,32 +88,42 @@ def _variants(tiles: TileSet, placement: Placement, *, world_size: int, cost_mod
     if schedule is not None and (schedule.num_stages != num_stages or not np.array_equal(stage, placement.tile_stage)):
         schedule = None  # derived for other stage numbers
     kv_groups = _placement_groups(tiles.kv, KIND_KV, home, rank, stage, schedule, tiles.num_blocks)
-    cand = relay_candidates(home, kv_groups, ranks_per_node=cost_model.topology.ranks_per_node)
-    if cand is None:
+    rpn = cost_model.topology.ranks_per_node
+    # two proxy choices, each weighed below: the lowest rank (fewest relay hops to reorder) or
+    # rotating over the earliest receivers (a node's NICs share the inbound copies)
+    cands = [c for c in (relay_candidates(home, kv_groups, ranks_per_node=rpn, rotate=rotate)
+                         for rotate in (False, True)) if c is not None]
+    if len(cands) == 2 and np.array_equal(cands[0].proxy, cands[1].proxy) and np.array_equal(cands[0].dst, cands[1].dst):
+        cands = cands[:1]  # one earliest receiver per (block, node): the same relays
+    if not cands:
         return np.inf, []
     # Stage f_p + 1 must exist for a delay: stages go up to S - 1, or S when one more is allowed.
     last_stage = num_stages if num_stages - 1 < max_stages else num_stages - 1
-    late = cand.first > cand.proxy_first
-    early = ~late & (cand.proxy_first + 1 <= last_stage)
-    if not late.any() and not early.any():
+    score, base_time, variants = None, placement.sim_time, []
+    for cand in cands:
+        late = cand.first > cand.proxy_first
+        early = ~late & (cand.proxy_first + 1 <= last_stage)
+        if not late.any() and not early.any():
+            continue
+        if score is None:
+            q_groups = _placement_groups(tiles.q, KIND_Q, home, rank, stage, schedule, tiles.num_blocks)
+            score = _Scorer(tiles, home, rank, stage, num_stages, q_groups, kv_groups, world_size=world_size,
+                            cost_model=cost_model, sizes=sizes)
+            if base_time is None:
+                base_time = score.base()
+        lazy = score.variant(cand, np.zeros(cand.block.size, dtype=bool))
+        if late.any():
+            variants.append(lazy)
+        if early.any():
+            eager = score.variant(cand, early)
+            variants.append(eager)
+            # per rank: delay only where that rank stays within the no-delay plan's slowest rank
+            fits = (eager.fwd <= lazy.fwd.max()) & (eager.bwd <= lazy.bwd.max())
+            mixed = early & fits[cand.dst]
+            if mixed.any() and not np.array_equal(mixed, early):
+                variants.append(score.variant(cand, mixed))
+    if score is None:
         return np.inf, []
-    q_groups = _placement_groups(tiles.q, KIND_Q, home, rank, stage, schedule, tiles.num_blocks)
-    score = _Scorer(tiles, home, rank, stage, num_stages, q_groups, kv_groups, world_size=world_size,
-                    cost_model=cost_model, sizes=sizes)
-    base_time = placement.sim_time
-    if base_time is None:
-        base_time = score.base()
-
-    lazy = score.variant(cand, np.zeros(cand.block.size, dtype=bool))
-    variants = [lazy] if late.any() else []
-    if early.any():
-        eager = score.variant(cand, early)
-        variants.append(eager)
-        # per rank: delay only where that rank stays within the no-delay plan's slowest rank
-        fits = (eager.fwd <= lazy.fwd.max()) & (eager.bwd <= lazy.bwd.max())
-        mixed = early & fits[cand.dst]
-        if mixed.any() and not np.array_equal(mixed, early):
-            variants.append(score.variant(cand, mixed))
     return float(base_time), variants
 
 
@@ -145,9 +156,10 @@ class RelayCandidates(NamedTuple):
     group: np.ndarray  # int64 index of the receiver's (rank, block) entry in the kv receive groups
 
 
-def relay_candidates(home: np.ndarray, kv_groups, *, ranks_per_node: int) -> RelayCandidates | None:
+def relay_candidates(home: np.ndarray, kv_groups, *, ranks_per_node: int, rotate: bool = False) -> RelayCandidates | None:
     """The non-proxy receivers of every (KV block, remote node) with >= 2 receivers, from the tiles'
-    kv ``receive_groups`` (planner/schedule.py); None if there are none."""
+    kv ``receive_groups`` (planner/schedule.py); None if there are none. The proxy is the lowest-ranked
+    receiver with the earliest need, or with ``rotate`` the (b mod n)-th of those n receivers."""
     r, b, first, _ = kv_groups
     node = r // ranks_per_node
     idx = np.flatnonzero(node != home[b] // ranks_per_node)
@@ -157,8 +169,13 @@ def relay_candidates(home: np.ndarray, kv_groups, *, ranks_per_node: int) -> Rel
     idx = idx[np.lexsort((r[idx], first[idx], key[idx]))]  # per (block, node): earliest need, then lowest rank
     group = key[idx]
     head = np.r_[True, group[1:] != group[:-1]]
-    proxy_idx = idx[np.flatnonzero(head)][np.cumsum(head) - 1]
-    member = ~head
+    start = np.flatnonzero(head)
+    of_group = np.cumsum(head) - 1
+    # rotating: a node's copies of consecutive blocks arrive through different NICs, not all through one
+    earliest = np.bincount(of_group, weights=first[idx] == first[idx[start]][of_group]).astype(np.int64)
+    proxy_pos = start + (b[idx[start]] % earliest if rotate else 0)
+    proxy_idx = idx[proxy_pos][of_group]
+    member = np.arange(idx.size) != proxy_pos[of_group]
     if not member.any():
         return None
     idx, proxy_idx = idx[member], proxy_idx[member]

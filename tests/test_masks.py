@@ -537,3 +537,31 @@ def test_classification_scales_without_dense_masks():
     assert int(bm.tile_pairs().sum()) > 0
     # Generous bound for a loaded 2-core CI machine; bench numbers are reported separately.
     assert elapsed < 10.0, f"classification of 1M tokens took {elapsed:.2f}s"
+
+
+def module_level_mod(q, k):
+    return (q + 2 * k) % 3 != 0
+
+
+@given(mask_pairs(), st.sampled_from(["a", "&", "|"]))
+def test_pickle_replays_the_constructor_call(pair, op):
+    """A spec pickles as its constructor call (small, process-independent) and rebuilds the same mask."""
+    import pickle
+
+    a, b = pair
+    spec = {"a": a, "&": a & MaskSpec.causal(a.total_len), "|": a | MaskSpec.from_mask_mod(module_level_mod, a.total_len)}[op]
+    data = pickle.dumps(spec)
+    back = pickle.loads(data)
+    assert back.signature() == spec.signature() and torch.equal(back.to_dense(), spec.to_dense())
+    assert len(data) < 2000  # the call, not a [4, T] table
+
+
+def test_pickle_copies_arguments_and_rejects_lambdas():
+    import pickle
+
+    lens = [3, 4, 5]
+    spec = MaskSpec.documents(lens)
+    lens.append(100)  # mutating the caller's list later does not change the pickled spec
+    assert pickle.loads(pickle.dumps(spec)).total_len == 12
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        pickle.dumps(MaskSpec.from_mask_mod(lambda q, k: q >= k, 8))

@@ -315,3 +315,41 @@ def test_split_backward_stages_moves_whole_remote_kv_groups_within_the_gap():
     for b in (2, 3, 4, 5):  # groups stay whole
         assert len(set(new[(rank == 0) & (kv == b)].tolist())) == 1
     assert split_backward_stages(stage, q, kv, rank, home, compute, comm, world_size=2, num_stages=2) is stage
+
+
+def test_relay_aware_balancer_prices_kv_held_on_the_node_as_nvlink():
+    """Two nodes of two ranks. Ranks 2 and 3 (node 1) both read KV block 0 (home rank 0, node 0): the
+    per-rank view pays the NIC twice; the relay-aware view once, plus one NVLink copy inside node 1."""
+    from blockattn.planner.balance import Balancer
+    from blockattn.planner.tiles import TileSet
+
+    spec = MaskSpec.from_mask_mod(lambda q, k: (k < 8) | (k // 8 == q // 8), 32)
+    tiles = TileSet.from_block_mask(spec.block_mask(8))
+    home = np.arange(4)
+    topo = Topology(ranks_per_node=2)
+    sizes = dict(num_q_heads=2, num_kv_heads=1, head_dim=8, element_size=2)
+    kv = float(payload_bytes(KIND_KV, np.array([8]), **sizes)[0])
+    plain = Balancer(tiles, home, np.ones(tiles.num_tiles), 4, topo, **sizes)
+    aware = Balancer(tiles, home, np.ones(tiles.num_tiles), 4, topo, relay_aware=True, **sizes)
+    # link columns: 0 NVLink, 1 NIC
+    assert plain.send[0, 1] == 2 * kv and plain.recv[2, 1] == kv and plain.recv[3, 1] == kv
+    assert aware.send[0, 1] == kv and aware.recv[:, 1].sum() == kv
+    assert aware.send[:, 0].sum() == kv + plain.send[:, 0].sum()  # one NVLink copy on node 1
+    assert aware.node_kv[1, 0] in (2, 3) and aware.node_kv[0, 3] == -1
+
+
+@pytest.mark.parametrize("mask", ["causal_blockwise", "shared_question"])
+def test_relay_aware_rebalancing_only_replaces_a_slower_plan(mask):
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.tiles import TileSet
+
+    spec = (MaskSpec.causal_blockwise(4096, block=512, k_local=1) if mask == "causal_blockwise"
+            else MaskSpec.shared_question(700, [500, 900, 600, 800, 520]))
+    tiles = TileSet.from_block_mask(spec.block_mask(64))
+    cm = CostModel(topology=Topology(ranks_per_node=2))
+    sizes = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, element_size=2)
+    base, _ = dcp_module._place(tiles, 6, "zigzag", cm, 4, sizes)
+    refined = dcp_module._relay_balanced(tiles, base, 6, cm, 4, sizes)
+    aware, aware_time = dcp_module._place(tiles, 6, "given", cm, 4, sizes, home=base.block_home, relay_aware=True)
+    assert refined.sim_time == min(base.sim_time, aware_time)
+    assert np.array_equal(refined.block_home, base.block_home)

@@ -20,7 +20,7 @@ from blockattn.masks import MaskSpec
 from blockattn.planner import CostModel, Topology, check_plan, clear_plan_cache, make_plan, payload_bytes
 from blockattn.planner.api import build_plan
 from blockattn.planner.placement import Placement
-from blockattn.planner.relay import add_relays, relay_variants
+from blockattn.planner.relay import add_relays, relay_candidates, relay_variants
 from blockattn.planner.schedule import KIND_DKV, KIND_DO, KIND_KV, KIND_Q, CommSchedule, PlanConsistencyError
 from blockattn.planner.tiles import TileSet
 
@@ -180,6 +180,39 @@ def test_relays_cut_inter_node_traffic(mask):
         assert np.all(copies == 1)
     time = lambda p: p.stats()["sim_time_fwd"] + p.stats()["sim_time_bwd"]  # noqa: E731
     assert time(chosen) <= time(base) * (1 + 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_relay_proxies_are_earliest_receivers_and_rotation_spreads_them(data):
+    """Per (block, remote node): the proxy is a receiver there with the earliest first stage, and every
+    other receiver is a candidate; rotating picks the (b mod n)-th of the n earliest receivers."""
+    P, rpn = data.draw(st.sampled_from([(6, 3), (8, 4), (9, 3)]))
+    nB = 12
+    pairs = sorted(set(data.draw(st.lists(st.tuples(st.integers(0, P - 1), st.integers(0, nB - 1)), min_size=2,
+                                          max_size=60))))
+    r = np.array([p[0] for p in pairs], dtype=np.int64)
+    b = np.array([p[1] for p in pairs], dtype=np.int64)
+    first = np.array(data.draw(st.lists(st.integers(1, 3), min_size=len(pairs), max_size=len(pairs))), dtype=np.int64)
+    home = np.array(data.draw(st.lists(st.integers(0, P - 1), min_size=nB, max_size=nB)), dtype=np.int64)
+    keep = home[b] != r  # receive groups are remote by definition
+    groups = (r[keep], b[keep], first[keep], first[keep])
+    for rotate in (False, True):
+        cand = relay_candidates(home, groups, ranks_per_node=rpn, rotate=rotate)
+        expected = 0
+        for block in range(nB):
+            for node in range(P // rpn):
+                here = (groups[1] == block) & (groups[0] // rpn == node) & (node != home[block] // rpn)
+                if here.sum() < 2:
+                    continue
+                expected += int(here.sum()) - 1
+                earliest = np.sort(groups[0][here & (groups[2] == groups[2][here].min())])
+                proxy = earliest[block % earliest.size] if rotate else earliest[0]
+                mine = (cand.block == block) & (cand.dst // rpn == node)
+                assert np.all(cand.proxy[mine] == proxy)
+                assert sorted(cand.dst[mine].tolist()) == sorted(set(groups[0][here].tolist()) - {proxy})
+                assert np.all(cand.first[mine] >= cand.proxy_first[mine])
+        assert (cand.block.size if cand is not None else 0) == expected
 
 
 def test_relays_win_when_the_inter_node_link_is_the_bottleneck():

@@ -1,0 +1,105 @@
+"""Planning off the critical path: how much of make_plan's time a training step still sees with PlanAhead.
+
+A training loop consumes one plan per step. Planned in the step (``make_plan``), the whole planning
+time is on the critical path; planned ahead (``PlanAhead.map``, one worker process), the step only
+waits if the worker fell behind, plus the hand-over (pickling the spec, unpickling the plan). The
+step's GPU work is simulated by sleeping ``--step-s`` seconds (on a GPU node the training thread
+mostly waits on the device, like a sleep).
+
+For Wikipedia-length batches of 128K tokens / 8 ranks and 1M tokens / 64 ranks (dcp, Llama-3-8B
+attention heads), it records per step: the synchronous planning time, the time the loop waited for
+the planned-ahead plan, and the hand-over costs, and writes them to JSON.
+
+    python bench/bench_plan_ahead.py [--steps 8] [--step-s 1.0] [--out bench/results/bench_plan_ahead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench_planner import HEADS, SEQLENS, wiki_batch
+from blockattn.masks import MaskSpec
+from blockattn.planner import PlanAhead, clear_plan_cache, make_plan
+
+
+def run_config(tokens: int, world_size: int, steps: int, step_s: float, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    wiki = np.loadtxt(SEQLENS, dtype=np.int64)
+    lens = [wiki_batch(rng, wiki, tokens) for _ in range(steps)]
+
+    sync_ms = []
+    for doc_lens in lens:  # planned in the step: the spec is built there too
+        clear_plan_cache()
+        t0 = time.perf_counter()
+        plan = make_plan(MaskSpec.documents(doc_lens), world_size, check=False, **HEADS)
+        sync_ms.append(1e3 * (time.perf_counter() - t0))
+    plan_bytes = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+    t0 = time.perf_counter()
+    pickle.loads(plan_bytes)
+    unpickle_ms = 1e3 * (time.perf_counter() - t0)
+    spec = MaskSpec.documents(lens[-1])
+    t0 = time.perf_counter()
+    spec_bytes = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+    spec_pickle_ms = 1e3 * (time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    planner = PlanAhead(world_size, **HEADS)
+    planner._started.result()
+    startup_s = time.perf_counter() - t0
+    waits_ms, fingerprints_match = [], True
+    with planner:
+        plans = planner.map((MaskSpec.documents(doc_lens) for doc_lens in lens), depth=2)
+        for step, doc_lens in enumerate(lens):
+            t0 = time.perf_counter()
+            plan = next(plans)
+            waits_ms.append(1e3 * (time.perf_counter() - t0))
+            if step == 0:  # same plan as in-process planning (determinism across processes)
+                clear_plan_cache()
+                fingerprints_match = plan.fingerprint() == make_plan(MaskSpec.documents(doc_lens), world_size,
+                                                                    check=False, **HEADS).fingerprint()
+            time.sleep(step_s)  # the step's GPU work
+    steady = waits_ms[1:]  # the first plan cannot be planned ahead of the loop's start
+    return {"tokens": tokens, "world_size": world_size, "steps": steps, "step_s": step_s,
+            "worker_startup_s": startup_s, "sync_plan_ms": sync_ms, "sync_plan_ms_median": float(np.median(sync_ms)),
+            "ahead_wait_ms": waits_ms, "ahead_wait_ms_steady_median": float(np.median(steady)),
+            "ahead_wait_ms_steady_max": float(np.max(steady)), "plan_pickle_bytes": len(plan_bytes),
+            "plan_unpickle_ms": unpickle_ms, "spec_pickle_bytes": len(spec_bytes), "spec_pickle_ms": spec_pickle_ms,
+            "fingerprint_matches_in_process_plan": fingerprints_match}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--step-s", type=float, default=1.0, help="simulated GPU time of one training step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "bench_plan_ahead.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = [run_config(tokens, world_size, args.steps, args.step_s, args.seed)
+               for tokens, world_size in ((128 * 1024, 8), (1 << 20, 64))]
+    report = {"config": {"heads": HEADS, "strategy": "dcp", "host": platform.node(), "cpu_count": os.cpu_count()},
+              "results": results}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    for r in results:
+        print(f"{r['tokens'] // 1024}K tokens / {r['world_size']} ranks: in-step planning {r['sync_plan_ms_median']:.1f} ms"
+              f" median; planned ahead, the step waits {r['ahead_wait_ms_steady_median']:.2f} ms median,"
+              f" {r['ahead_wait_ms_steady_max']:.2f} ms max (plan {r['plan_pickle_bytes'] / 2**20:.1f} MiB,"
+              f" unpickled in {r['plan_unpickle_ms']:.1f} ms off the loop's thread; spec {r['spec_pickle_bytes']} B"
+              f" in {r['spec_pickle_ms']:.2f} ms); worker start {r['worker_startup_s']:.1f} s;"
+              f" same plan as in-process: {r['fingerprint_matches_in_process_plan']}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""PlanAhead: plan upcoming batches in worker processes while the current batch trains.
+
+A plan depends only on the batch's mask, so it can be built as soon as the data loader knows the
+document lengths - a step or more before the batch reaches the GPU (DCP plans in its data loader).
+PlanAhead keeps planning off the training step's critical path: ``submit(mask_spec)`` returns at
+once with a Future; the plan is built by ``make_plan`` in a worker process and arrives pickled.
+
+Lifecycle: construct (validates the planning arguments, starts the workers), ``submit`` / ``map``,
+``close`` (or use it as a context manager). Every rank can run its own PlanAhead: plans are
+deterministic, so every rank receives the identical plan (``block_attention`` checks fingerprints).
+
+What stays on the caller's thread: pickling the spec (its constructor call, a few hundred bytes,
+``blockattn.masks``) and unpickling the plan (one copy of its index tensors, done by the executor's
+result thread before ``result()`` is asked for). ``bench/bench_plan_ahead.py`` measures both.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Iterable, Iterator
+
+import multiprocessing as mp
+
+import torch
+
+from .api import check_plan_args, make_plan
+from .cost_model import Topology
+from .plan import Plan
+
+DEFAULT_TIMEOUT_S = 600.0  # longest wait for one plan in ``map`` (a 1M-token / 64-rank plan takes < 1 s)
+
+
+def _init_worker() -> None:
+    """Worker process start: one thread (the trainer keeps the other cores), planner imported."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _plan_pickled(spec_bytes: bytes, world_size: int, kwargs: dict) -> bytes:
+    """Worker side: rebuild the spec, plan it, return the plan pickled by value (no shared-memory
+    handles, whose file descriptors a long run would exhaust)."""
+    plan = make_plan(pickle.loads(spec_bytes), world_size, **kwargs)
+    return pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _ready() -> bool:
+    return True
+
+
+class PlanAhead:
+    """Background planner: ``make_plan(spec, world_size, **plan_kwargs)`` for each submitted spec, in
+    ``workers`` processes (start method ``mp_context``: "spawn" is safe next to CUDA and threads)."""
+
+    def __init__(self, world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
+                 topology: Topology | None = None, max_stages: int = 4, workers: int = 1,
+                 mp_context: str = "spawn"):
+        world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology = check_plan_args(
+            world_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+            block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+        if mp_context not in mp.get_all_start_methods():
+            raise ValueError(f"mp_context {mp_context!r} is not available here; choose one of "
+                             f"{', '.join(mp.get_all_start_methods())}")
+        self.world_size = world_size
+        self._kwargs = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                            block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages)
+        self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(mp_context),
+                                         initializer=_init_worker)
+        self._started = self._pool.submit(_ready)  # start the workers now, not at the first batch
+
+    # ------------------------------------------------------------------ post
+    def submit(self, mask_spec) -> "Future[Plan]":
+        """Start planning ``mask_spec``; the Future's ``result()`` is the Plan (or raises what
+        ``make_plan`` raised, e.g. ValueError for a bad block size)."""
+        if self._pool is None:
+            raise RuntimeError("PlanAhead is closed; create a new one to plan more batches")
+        for attr in ("total_len", "signature", "block_mask"):
+            if not hasattr(mask_spec, attr):
+                raise TypeError(f"mask_spec must be a blockattn MaskSpec (missing .{attr}), "
+                                f"got {type(mask_spec).__name__}")
+        try:
+            spec_bytes = pickle.dumps(mask_spec, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, AttributeError, TypeError) as err:
+            raise TypeError(f"{mask_spec!r} cannot be sent to a planning process ({err}). A MaskSpec.from_mask_mod "
+                            "mask needs a module-level function (not a lambda or closure); or plan it in "
+                            "this process with make_plan") from err
+        planned = self._pool.submit(_plan_pickled, spec_bytes, self.world_size, self._kwargs)
+        plan: Future = Future()
+        planned.add_done_callback(lambda done: _unpickle_into(done, plan))
+        return plan
+
+    # ------------------------------------------------------------------ post + wait, in order
+    def map(self, mask_specs: Iterable, *, depth: int = 2, timeout: float | None = DEFAULT_TIMEOUT_S) -> Iterator[Plan]:
+        """The plans of ``mask_specs``, in order, keeping ``depth`` of them in flight ahead of the
+        one being consumed (iterate it beside the data loader). ``timeout``: seconds to wait for
+        one plan before TimeoutError (None: wait forever)."""
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+        specs = iter(mask_specs)
+        pending = deque(self.submit(spec) for spec in itertools.islice(specs, depth))
+        while pending:
+            plan = pending.popleft()
+            for spec in itertools.islice(specs, 1):
+                pending.append(self.submit(spec))
+            try:
+                yield plan.result(timeout=timeout)
+            except FutureTimeout:
+                raise TimeoutError(f"no plan after {timeout} s: the planning worker is stuck or far slower than "
+                                   "expected; raise timeout= or check the worker processes") from None
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Stop the workers (plans in flight are finished first)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> "PlanAhead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _unpickle_into(done: Future, plan: Future) -> None:
+    """Executor result thread: turn the worker's bytes into the Plan (or pass its exception on)."""
+    if done.cancelled():
+        plan.cancel()
+        return
+    err = done.exception()
+    if err is not None:
+        plan.set_exception(err)
+        return
+    try:
+        plan.set_result(pickle.loads(done.result()))
+    except BaseException as unpickle_err:  # noqa: BLE001 - handed to whoever waits on the plan
+        plan.set_exception(unpickle_err)
