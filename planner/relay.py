@@ -36,7 +36,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages
-from .stages import backward_stages, local_tiles_by_rank, split_backward_stages, spread_backward_local
+from .stages import backward_stages, choose_backward_staging, local_tiles_by_rank, spread_backward_local
 from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, receive_groups,
                        row_bytes, schedule_rows)
 from .tiles import TileSet
@@ -232,33 +232,33 @@ class _Scorer:
         if num_stages not in self._bwd_cache:
             t, nB, rq, rk = self.tiles, self.tiles.num_blocks, self.remote_q, self.remote_kv
 
-            def with_groups(stage_bwd):
-                return stage_bwd, (receive_groups(self.rank[rq], t.q[rq], stage_bwd[rq], nB),
-                                   receive_groups(self.rank[rk], t.kv[rk], stage_bwd[rk], nB))
+            def groups(stage_bwd):
+                return (receive_groups(self.rank[rq], t.q[rq], stage_bwd[rq], nB),
+                        receive_groups(self.rank[rk], t.kv[rk], stage_bwd[rk], nB))
 
             def bwd_comm(groups):
                 rows = schedule_rows(self.home, self.q_groups, self.kv_groups, num_blocks=nB, num_stages=num_stages,
                                      bwd_groups=groups)[1]
                 return self.cm.stage_comm_time(rows, row_bytes(rows, self.block_len, **self.sizes), self.P, num_stages)
 
-            def bwd_time(stage_bwd, comm):
-                stage_bwd = spread_backward_local(stage_bwd, self.compute_bwd_time, self.rank, self.local_order, comm,
-                                                  world_size=self.P, num_stages=num_stages)
-                per = np.bincount(self.rank * num_stages + stage_bwd, weights=self.compute_bwd_time,
-                                  minlength=self.P * num_stages).reshape(self.P, num_stages)
-                return self.cm.overlapped_time(per, comm).max()
+            def derive(stage_bwd):
+                stage_groups = groups(stage_bwd)
+                return stage_groups, bwd_comm(stage_groups)
 
-            # the backward staging finish_placement would pick for the relay-free placement
-            plain = with_groups(backward_stages(t.q, t.kv, self.rank, self.home, num_stages))
-            comm = bwd_comm(plain[1])
-            split = split_backward_stages(plain[0], t.q, t.kv, self.rank, self.home, self.compute_bwd_time, comm,
-                                          world_size=self.P, num_stages=num_stages)
-            choice = plain
-            if not np.array_equal(split, plain[0]):
-                split = with_groups(split)
-                if bwd_time(split[0], bwd_comm(split[1])) < bwd_time(plain[0], comm):
-                    choice = split
-            self._bwd_cache[num_stages] = choice
+            def time_of(stage_bwd, comm):
+                spread = spread_backward_local(stage_bwd, self.compute_bwd_time, self.rank, self.local_order, comm,
+                                               world_size=self.P, num_stages=num_stages)
+                per = np.bincount(self.rank * num_stages + spread, weights=self.compute_bwd_time,
+                                  minlength=self.P * num_stages).reshape(self.P, num_stages)
+                return spread, self.cm.overlapped_time(per, comm).max()
+
+            # the backward staging finish_placement would pick for the relay-free placement (local
+            # tiles are spread per variant, in _score, against that variant's transfers)
+            plain = backward_stages(t.q, t.kv, self.rank, self.home, num_stages)
+            stage_bwd, _, stage_groups, _ = choose_backward_staging(
+                plain, derive(plain), derive, time_of, q=t.q, kv=t.kv, rank=self.rank, home=self.home,
+                compute=self.compute_bwd_time, world_size=self.P, num_stages=num_stages)
+            self._bwd_cache[num_stages] = (stage_bwd, stage_groups)
         return self._bwd_cache[num_stages]
 
     def _score(self, q_groups, kv_groups, relay, compute: np.ndarray, num_stages: int):

@@ -207,6 +207,28 @@ def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank
     return stage
 
 
+def choose_backward_staging(plain: np.ndarray, plain_transfers: tuple, derive, time_of, *, q: np.ndarray,
+                            kv: np.ndarray, rank: np.ndarray, home: np.ndarray, compute: np.ndarray, world_size: int,
+                            num_stages: int) -> tuple:
+    """The class-rule backward staging ``plain`` or its ``split_backward_stages`` refinement, whichever
+    simulates faster (finish_placement and the relay scorer both stage this way).
+
+    ``plain_transfers``: (payload, comm_bwd [P, S + 1]) of ``plain``, payload being whatever the caller
+    derives the transfers into (a schedule, receive groups); ``derive(stage_bwd)`` gives the same pair
+    for another staging; ``time_of(stage_bwd, comm_bwd)`` -> (stage_bwd with local tiles spread, time).
+    Returns (stage_bwd, its spread form, payload, comm_bwd) of the faster one."""
+    payload, comm = plain_transfers
+    split = split_backward_stages(plain, q, kv, rank, home, compute, comm, world_size=world_size,
+                                  num_stages=num_stages)
+    spread, time = time_of(plain, comm)
+    if not np.array_equal(split, plain):
+        split_payload, split_comm = derive(split)
+        split_spread, split_time = time_of(split, split_comm)
+        if split_time < time:
+            return split, split_spread, split_payload, split_comm
+    return plain, spread, payload, comm
+
+
 def local_tiles_by_rank(rank: np.ndarray, is_local: np.ndarray) -> np.ndarray:
     """Indices of the purely local tiles, grouped by rank (tile order kept inside a rank)."""
     idx = np.flatnonzero(is_local)
@@ -237,13 +259,15 @@ def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarr
     end = np.cumsum(c) - (np.cumsum(total) - total)[r]
     movable = np.clip(np.minimum(per_stage[:, home_stage] - comm_time[:, home_stage], total), 0.0, None)
     upto = np.minimum(np.cumsum(gaps, axis=1), movable[:, None])  # [P, S] local work placed by stage s
-    below = np.concatenate([np.zeros((P, 1)), upto[:, :-1]], axis=1)
-    new = stage[idx].copy()
-    for s in range(S):
-        if s != home_stage:
-            new[(end > below[r, s]) & (end <= upto[r, s])] = s
+    # A tile goes to the first stage s with end <= upto[r, s] (none: it stays). upto is non-decreasing
+    # along s (and flat across the home stage, whose gap is 0), so one searchsorted over the rows laid
+    # end to end, each shifted past the previous one, finds s for every tile at once.
+    shift = 2.0 * float(total.max()) + 1.0
+    flat = (upto + shift * np.arange(P)[:, None]).ravel()
+    s = np.searchsorted(flat, end + shift * r, side="left") - r * S
+    moved = s < S
     stage = stage.copy()
-    stage[idx] = new
+    stage[idx[moved]] = s[moved]
     return stage
 
 
@@ -304,20 +328,19 @@ def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarra
                               minlength=P * num_stages).reshape(P, num_stages)
             return stage_bwd, float(cost_model.overlapped_time(per, comm_bwd).max())
 
-        # several nodes only: on one node the cheap NVLink leaves exchange 1 covered (no gain measured)
-        multi_node = P > cost_model.topology.ranks_per_node
-        split = split_backward_stages(stage_bwd, q, kv, rank, home, compute_bwd, comm["bwd"], world_size=P,
-                                      num_stages=num_stages) if multi_node else stage_bwd
-        moved = not np.array_equal(split, stage_bwd)
-        stage_bwd, bwd_time = spread_and_time(stage_bwd, comm["bwd"])
-        if moved:
-            sched_split = derive_schedule(home, q, kv, rank, stage, num_blocks=tiles.num_blocks,
-                                          num_stages=num_stages, world_size=P, kv_relay=kv_relay,
-                                          tile_stage_bwd=split)
-            comm_split = comm_of(sched_split)
-            split, split_time = spread_and_time(split, comm_split["bwd"])
-            if split_time < bwd_time:  # keep whichever backward staging simulates faster
-                stage_bwd, sched, comm = split, sched_split, comm_split
+        if P > cost_model.topology.ranks_per_node:
+            def derive(stage_bwd):
+                split_sched = derive_schedule(home, q, kv, rank, stage, num_blocks=tiles.num_blocks,
+                                              num_stages=num_stages, world_size=P, kv_relay=kv_relay,
+                                              tile_stage_bwd=stage_bwd)
+                split_comm = comm_of(split_sched)
+                return (split_sched, split_comm), split_comm["bwd"]
+
+            _, stage_bwd, (sched, comm), _ = choose_backward_staging(
+                stage_bwd, ((sched, comm), comm["bwd"]), derive, spread_and_time, q=q, kv=kv, rank=rank, home=home,
+                compute=compute_bwd, world_size=P, num_stages=num_stages)
+        else:  # one node: the cheap NVLink leaves exchange 1 covered (no gain measured from a split)
+            stage_bwd, _ = spread_and_time(stage_bwd, comm["bwd"])
 
     def per_stage(st):
         return np.bincount(rank * num_stages + st, weights=compute, minlength=P * num_stages).reshape(P, num_stages)
