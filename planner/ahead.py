@@ -8,6 +8,8 @@ once with a Future; the plan is built by ``make_plan`` in a worker process and a
 Lifecycle: construct (validates the planning arguments, starts the workers), ``submit`` / ``map``,
 ``close`` (or use it as a context manager). Every rank can run its own PlanAhead: plans are
 deterministic, so every rank receives the identical plan (``block_attention`` checks fingerprints).
+Workers start with "spawn" (safe beside CUDA and threads), which re-imports the main module: as
+with DataLoader workers, the training script needs the ``if __name__ == "__main__":`` guard.
 
 What stays on the caller's thread: pickling the spec (its constructor call, a few hundred bytes,
 ``blockattn.masks``) and unpickling the plan (one copy of its index tensors, done by the executor's

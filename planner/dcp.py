@@ -22,7 +22,8 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
    compute they unlock per transfer second and cut into <= ``max_stages`` stages, each sized to hide
    behind the previous stage's compute; purely local tiles are then spread into later stages where
    a rank's transfers (e.g. OUT partials returning to a donor) would otherwise be exposed. On several
-   nodes the chosen placement is also staged with front-loaded transfers (``FRONT_LOAD``).
+   nodes the chosen placement is also restaged twice, with front-loaded transfers (``FRONT_LOAD``)
+   and with all ranks' items staged together against receivers' and senders' compute alike.
 4. Relays (planner/relay.py, several nodes only): a KV block read by several ranks of a remote
    node crosses the inter-node link once, to a proxy on that node that forwards it over NVLink,
    and their dK/dV partials are summed on the way back; kept only where the cost model says so.
@@ -203,7 +204,7 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
             best, best_time = placement, placement.sim_time
     if world_size > cost_model.topology.ranks_per_node and best_time > good_enough:
         best = _relay_balanced(tiles, best, world_size, cost_model, max_stages, sizes)
-        best = _front_loaded(tiles, best, world_size, cost_model, max_stages, sizes)
+        best = _restaged(tiles, best, world_size, cost_model, max_stages, sizes)
     return best
 
 
@@ -218,19 +219,24 @@ def _relay_balanced(tiles: TileSet, placement: Placement, world_size: int, cost_
     return alt if alt.sim_time < placement.sim_time else placement
 
 
-def _front_loaded(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, max_stages: int,
-                  sizes: dict) -> Placement:
-    """``placement`` restaged with each stage's transfers allowed FRONT_LOAD times the compute hiding
-    them, if that simulates faster (relays redone on the new stages)."""
+def _restaged(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, max_stages: int,
+              sizes: dict) -> Placement:
+    """``placement`` restaged, if that simulates faster (relays redone on the new stages): with each
+    stage's transfers allowed FRONT_LOAD times the compute hiding them, and with every rank's items
+    staged together so that each stage also fits the *senders'* compute (``both_ends``)."""
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
     home, rank = placement.block_home, placement.tile_rank
-    stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size, total_len=tiles.total_len,
-                          world_size=world_size, cost_model=cost_model, max_stages=max_stages,
-                          budget_scale=FRONT_LOAD, **sizes)
-    alt = add_relays(tiles, finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model,
-                                             sizes=sizes, max_stages=max_stages),
-                     world_size=world_size, cost_model=cost_model, max_stages=max_stages, sizes=sizes)
-    return alt if alt.sim_time < placement.sim_time else placement
+    best = placement
+    for scale, both_ends in ((FRONT_LOAD, False), (1.0, True)):
+        stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
+                              total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,
+                              max_stages=max_stages, budget_scale=scale, both_ends=both_ends, **sizes)
+        alt = add_relays(tiles, finish_placement(tiles, home, rank, stage, world_size=world_size,
+                                                 cost_model=cost_model, sizes=sizes, max_stages=max_stages),
+                         world_size=world_size, cost_model=cost_model, max_stages=max_stages, sizes=sizes)
+        if alt.sim_time < best.sim_time:
+            best = alt
+    return best
 
 
 def _lower_bound(tiles: TileSet, world_size: int, cost_model: CostModel, sizes: dict) -> float:

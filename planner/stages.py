@@ -26,11 +26,13 @@ from .schedule import KIND_KV, KIND_Q, derive_schedule, payload_bytes, row_bytes
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
                   block_size: int, total_len: int, world_size: int, cost_model: CostModel, max_stages: int,
                   num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int,
-                  budget_scale: float = 1.0) -> np.ndarray:
+                  budget_scale: float = 1.0, both_ends: bool = False) -> np.ndarray:
     """int64 [ntiles] stage of every tile (see module docstring). ``budget_scale`` > 1 lets each stage's
     transfers exceed the compute hiding them by that factor (items front-loaded into fewer, earlier
     stages), which leaves the last stages lighter for the transfers this per-receiver rule cannot
-    see: other ranks' requests and the partials returning to this rank."""
+    see: other ranks' requests and the partials returning to this rank. ``both_ends``: stage the items
+    of all ranks together, each stage's items fitting the budgets of receiver *and* sender
+    (``_stage_items_both_ends``), so a rank many others read from is not flooded in one exchange."""
     n = q.size
     stage = np.zeros(n, dtype=np.int64)
     remote_q = home[q] != rank
@@ -76,6 +78,11 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
     done_sorted = done_at[by_done]
     cum_done = np.r_[0.0, np.cumsum(compute_time[by_done])]
 
+    if both_ends:
+        item_stage = _stage_items_both_ends(order, item_rank, home[item_block], inter, item_time, item_of, tile_idx,
+                                            remote_q, compute_time, local_compute, tile_rank=rank,
+                                            world_size=world_size, max_stages=max_stages, budget_scale=budget_scale)
+        return _max_over_items(n, tile_idx, item_stage[item_of], remote_q, 0)
     item_stage = np.zeros(keys.size, dtype=np.int64)
     for r in range(world_size):
         lo, hi = int(starts[r]), int(starts[r + 1])
@@ -97,6 +104,55 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
             begin, s = end, s + 1
 
     return _max_over_items(n, tile_idx, item_stage[item_of], remote_q, 0)
+
+
+def _stage_items_both_ends(order, receiver, sender, inter, item_time, item_of, tile_idx, remote_q, compute_time,
+                           local_compute, *, tile_rank, world_size, max_stages, budget_scale) -> np.ndarray:
+    """Stage of every item, stage by stage over all ranks: exchange s-1 (the inputs of stage s) overlaps
+    stage s-1, so an item joins stage s while, in priority order (``order``), the transfer time on its
+    link stays within stage s-1's compute at its receiver and at its sender; the others wait (the
+    last stage takes all that is left). Each receiver gets at least its first waiting item, so every
+    stage makes progress."""
+    P, n = world_size, tile_rank.size
+    link = inter.astype(np.int64)
+    item_stage = np.full(order.size, max_stages, dtype=np.int64)
+    placed = np.full(order.size, np.iinfo(np.int64).max, dtype=np.int64)  # stage of the items placed so far
+    pending = order
+    budget = local_compute  # [P] compute of the previous stage
+    for s in range(1, max_stages):
+        if pending.size == 0:
+            break
+        t = item_time[pending]
+        limit = budget * budget_scale
+        fits = ((_grouped_cumsum(receiver[pending] * 2 + link[pending], t) <= limit[receiver[pending]])
+                & (_grouped_cumsum(sender[pending] * 2 + link[pending], t) <= limit[sender[pending]]))
+        fits |= _first_of_group(receiver[pending], P)
+        item_stage[pending[fits]] = placed[pending[fits]] = s
+        pending = pending[~fits]
+        # the next budget: compute of the remote tiles whose last item arrives in this stage
+        now = _max_over_items(n, tile_idx, placed[item_of], remote_q, -1) == s
+        budget = np.bincount(tile_rank[now], weights=compute_time[now], minlength=P)
+    return item_stage
+
+
+def _grouped_cumsum(key: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """Per position, the sum of ``value`` over the positions up to it with the same key."""
+    by = np.argsort(key, kind="stable")
+    cum = np.cumsum(value[by])
+    k = key[by]
+    start = np.r_[True, k[1:] != k[:-1]] if k.size else np.zeros(0, dtype=bool)
+    group_start = np.maximum.accumulate(np.where(start, np.arange(k.size), 0))
+    out = np.empty_like(cum)
+    out[by] = cum - (cum - value[by])[group_start]
+    return out
+
+
+def _first_of_group(key: np.ndarray, num_keys: int) -> np.ndarray:
+    """True at the first position of each key."""
+    seen = np.full(num_keys, -1, dtype=np.int64)
+    pos = np.arange(key.size)
+    seen[key[::-1]] = pos[::-1]
+    return seen[key] == pos
 
 
 def _dense_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -353,3 +353,40 @@ def test_relay_aware_rebalancing_only_replaces_a_slower_plan(mask):
     aware, aware_time = dcp_module._place(tiles, 6, "given", cm, 4, sizes, home=base.block_home, relay_aware=True)
     assert refined.sim_time == min(base.sim_time, aware_time)
     assert np.array_equal(refined.block_home, base.block_home)
+
+
+def test_both_ends_staging_spares_a_rank_everyone_reads():
+    """A shared question homed on rank 0 and read by every other rank: staged per receiver, each
+    receiver asks for it in stage 1 and rank 0's first exchange carries every copy; staged at both
+    ends, stage 1 takes only what rank 0's own stage-0 compute hides (plus one item per receiver),
+    and the plan stays consistent."""
+    from blockattn.planner import check_plan
+    from blockattn.planner.api import build_plan
+    from blockattn.planner.placement import Placement
+    from blockattn.planner.stages import assign_stages
+    from blockattn.planner.tiles import TileSet
+
+    spec = MaskSpec.shared_question(2048, [1000, 1200, 900, 1100, 1300, 950])
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    P, topo = 6, Topology(ranks_per_node=3)
+    cost_model = CostModel(topology=topo)
+    nB = tiles.num_blocks
+    home = np.minimum(np.arange(nB) * P // nB, P - 1)
+    rank = home[tiles.q]
+    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=32, head_dim=128)
+    args = dict(block_size=128, total_len=tiles.total_len, world_size=P, cost_model=cost_model, max_stages=4,
+                element_size=2, **HEADS)
+    plain = assign_stages(tiles.q, tiles.kv, flops, rank, home, **args)
+    both = assign_stages(tiles.q, tiles.kv, flops, rank, home, both_ends=True, **args)
+
+    def sent_by_rank0(stage, s):
+        reads = (stage == s) & (home[tiles.kv] == 0) & (rank != 0)
+        return np.unique(rank[reads] * nB + tiles.kv[reads]).size  # one KV copy per (receiver, block)
+
+    assert sent_by_rank0(both, 1) < sent_by_rank0(plain, 1)
+    remote = (home[tiles.q] != rank) | (home[tiles.kv] != rank)
+    assert np.all(both[~remote] == 0) and np.all(both[remote] >= 1) and both.max() <= 4
+    plan = build_plan(tiles, Placement(block_home=home, tile_rank=rank, tile_stage=both), strategy="dcp",
+                      world_size=P, dtype=torch.bfloat16, mask_signature=spec.signature(), cost_model=cost_model,
+                      **HEADS)
+    check_plan(plan)

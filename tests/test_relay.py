@@ -48,12 +48,18 @@ def dcp_placement_without_relays(tiles, world_size, cost_model, sizes, max_stage
     batches may return a baseline placement instead), so tests can relay it themselves."""
     from blockattn.planner import dcp as dcp_module
 
-    with_relays = dcp_module.add_relays
-    dcp_module.add_relays = lambda tiles, placement, **_: placement
+    # the refinements after the candidates (relay-aware rebalancing, restaging) re-add relays: off too
+    patched = {"add_relays": lambda tiles, placement, **_: placement,
+               "_relay_balanced": lambda tiles, placement, *_: placement,
+               "_restaged": lambda tiles, placement, *_: placement}
+    saved = {name: getattr(dcp_module, name) for name in patched}
+    for name, stub in patched.items():
+        setattr(dcp_module, name, stub)
     try:
         own = dcp_module._dcp(tiles, world_size, cost_model, max_stages, sizes, None)
     finally:
-        dcp_module.add_relays = with_relays
+        for name, original in saved.items():
+            setattr(dcp_module, name, original)
     return Placement(own.block_home, own.tile_rank, own.tile_stage)
 
 
