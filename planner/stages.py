@@ -189,33 +189,18 @@ def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, i
     S = num_stages
     if S < 2:
         return stage
-    stage = stage.copy()
-    compute = np.bincount(rank * S + stage, weights=flops / fwd_rate, minlength=world_size * S).reshape(world_size, S)
-    local0 = is_local & (stage == 0)
-    local_time = np.bincount(rank[local0], weights=flops[local0] / fwd_rate, minlength=world_size)
-    local_idx = np.flatnonzero(local0)
-    local_idx = local_idx[np.argsort(rank[local_idx], kind="stable")]
-    bounds = np.searchsorted(rank[local_idx], np.arange(world_size + 1))
-    last = S if extra_stage else S - 1
+    seconds = flops / fwd_rate
+    compute = np.bincount(rank * S + stage, weights=seconds, minlength=world_size * S).reshape(world_size, S)
     compute = np.concatenate([compute, np.zeros((world_size, 1))], axis=1)
-    for r in range(world_size):
-        gaps = np.maximum(0.0, comm_time[r, 1:last + 1] - compute[r, 1:last + 1])  # stage s overlaps exchange s
-        movable = local_time[r] - comm_time[r, 0]
-        if movable <= 0 or not np.any(gaps > 0):
-            continue
-        idx = local_idx[bounds[r]:bounds[r + 1]][::-1]  # last local tiles leave stage 0 first
-        cum = np.cumsum(flops[idx] / fwd_rate)
-        start = 0.0
-        for s in range(last, 0, -1):
-            take = min(gaps[s - 1], movable)
-            if take <= 0:
-                continue
-            lo = int(np.searchsorted(cum, start, side="right"))
-            hi = int(np.searchsorted(cum, start + take, side="right"))
-            stage[idx[lo:hi]] = s
-            start += take
-            movable -= take
-    return stage
+    last = S if extra_stage else S - 1
+    gaps = np.maximum(0.0, comm_time[:, 1:last + 1] - compute[:, 1:last + 1])  # stage s overlaps exchange s
+    local0 = is_local & (stage == 0)
+    movable = np.bincount(rank[local0], weights=seconds[local0], minlength=world_size) - comm_time[:, 0]
+    # the last local tiles of a rank leave stage 0 first, into the latest gap first
+    order = np.flatnonzero(local0)[::-1]
+    order = order[np.argsort(rank[order], kind="stable")]
+    fill = np.arange(last, 0, -1)
+    return _pour(stage, seconds, rank, order, gaps[:, fill - 1], movable, fill)
 
 
 def backward_stages(q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray, num_stages: int) -> np.ndarray:
@@ -305,25 +290,34 @@ def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarr
     home_stage = min(2, S - 1)
     per_stage = np.bincount(rank * S + stage, weights=compute, minlength=P * S).reshape(P, S)
     gaps = np.maximum(0.0, comm_time[:, :S] - per_stage)  # stage s overlaps exchange s
-    gaps[:, home_stage] = 0.0
-    idx = local_order
-    if idx.size == 0 or not gaps.any():
+    total = np.bincount(rank[local_order], weights=compute[local_order], minlength=P)
+    movable = np.minimum(per_stage[:, home_stage] - comm_time[:, home_stage], total)
+    fill = np.array([s for s in range(S) if s != home_stage], dtype=np.int64)  # earliest gap first
+    return _pour(stage, compute, rank, local_order, gaps[:, fill], movable, fill)
+
+
+def _pour(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, order: np.ndarray, gaps: np.ndarray,
+          movable: np.ndarray, fill: np.ndarray) -> np.ndarray:
+    """Move local tiles into transfer gaps: per rank, ``order``'s tiles (grouped by rank, in the order
+    they leave) fill the gaps ``gaps[r, i]`` of stages ``fill[i]`` in turn, up to ``movable[r]``
+    seconds in all; a tile goes to the gap its cumulative end position falls into (else it stays).
+    Shared by the forward and backward spreads (a local tile moves no transfer)."""
+    P, F = gaps.shape
+    movable = np.clip(movable, 0.0, None)
+    if order.size == 0 or F == 0 or not gaps.any() or not movable.any():
         return stage
-    r, c = rank[idx], compute[idx]
+    r, c = rank[order], seconds[order]
     total = np.bincount(r, weights=c, minlength=P)
-    # position of each local tile's end within its rank's local work
-    end = np.cumsum(c) - (np.cumsum(total) - total)[r]
-    movable = np.clip(np.minimum(per_stage[:, home_stage] - comm_time[:, home_stage], total), 0.0, None)
-    upto = np.minimum(np.cumsum(gaps, axis=1), movable[:, None])  # [P, S] local work placed by stage s
-    # A tile goes to the first stage s with end <= upto[r, s] (none: it stays). upto is non-decreasing
-    # along s (and flat across the home stage, whose gap is 0), so one searchsorted over the rows laid
-    # end to end, each shifted past the previous one, finds s for every tile at once.
-    shift = 2.0 * float(total.max()) + 1.0
+    end = np.cumsum(c) - (np.cumsum(total) - total)[r]  # each tile's end position in its rank's list
+    upto = np.minimum(np.cumsum(gaps, axis=1), movable[:, None])  # [P, F] work placed up to gap i
+    # the first gap i with end <= upto[r, i]: upto is non-decreasing along i, so one searchsorted over
+    # the rows laid end to end, each shifted past the previous one, finds it for every tile at once
+    shift = 2.0 * float(max(total.max(), upto.max())) + 1.0
     flat = (upto + shift * np.arange(P)[:, None]).ravel()
-    s = np.searchsorted(flat, end + shift * r, side="left") - r * S
-    moved = s < S
+    i = np.searchsorted(flat, end + shift * r, side="left") - r * F
+    moved = i < F
     stage = stage.copy()
-    stage[idx[moved]] = s[moved]
+    stage[order[moved]] = fill[i[moved]]
     return stage
 
 
