@@ -24,6 +24,7 @@ import pickle
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from typing import Iterable, Iterator
 
 import multiprocessing as mp
@@ -34,6 +35,8 @@ from .api import check_plan_args, make_plan
 from .cost_model import Topology
 from .plan import Plan
 
+_DEAD_WORKER = ("a planning worker process died (killed, e.g. out of memory, or crashed); the plans in flight "
+                "are lost: close this PlanAhead and create a new one")
 DEFAULT_TIMEOUT_S = 600.0  # longest wait for one plan in ``map`` (a 1M-token / 64-rank plan takes < 1 s)
 
 
@@ -93,7 +96,10 @@ class PlanAhead:
             raise TypeError(f"{mask_spec!r} cannot be sent to a planning process ({err}). A MaskSpec.from_mask_mod "
                             "mask needs a module-level function (not a lambda or closure); or plan it in "
                             "this process with make_plan") from err
-        planned = self._pool.submit(_plan_pickled, spec_bytes, self.world_size, self._kwargs)
+        try:
+            planned = self._pool.submit(_plan_pickled, spec_bytes, self.world_size, self._kwargs)
+        except BrokenProcessPool as err:
+            raise RuntimeError(_DEAD_WORKER) from err
         plan: Future = Future()
         planned.add_done_callback(lambda done: _unpickle_into(done, plan))
         return plan
@@ -112,10 +118,13 @@ class PlanAhead:
             for spec in itertools.islice(specs, 1):
                 pending.append(self.submit(spec))
             try:
-                yield plan.result(timeout=timeout)
+                result = plan.result(timeout=timeout)
             except FutureTimeout:
                 raise TimeoutError(f"no plan after {timeout} s: the planning worker is stuck or far slower than "
                                    "expected; raise timeout= or check the worker processes") from None
+            except BrokenProcessPool as err:
+                raise RuntimeError(_DEAD_WORKER) from err
+            yield result
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -79,3 +79,16 @@ def test_closed_planner_refuses_work():
     pa.close()
     with pytest.raises(RuntimeError, match="closed"):
         pa.submit(MaskSpec.causal(64))
+
+
+def test_a_dead_worker_is_reported_not_hung():
+    import os
+    import signal
+
+    with PlanAhead(2, **HEADS) as pa:
+        pa.submit(MaskSpec.causal(64)).result(timeout=120)  # the worker is up
+        for pid in list(pa._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="worker process died"):
+            for _ in pa.map([MaskSpec.causal(64)] * 3, timeout=120):
+                pass
