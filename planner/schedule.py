@@ -237,32 +237,43 @@ def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num
     d_q = _rows(last + 1, r, home[b], KIND_DQ, b)
 
     relay = as_relay_table(kv_relay)
-    r, b, first, _last = kv_groups
-    src = _kv_routes(home, r, b, _last, relay, num_blocks, num_stages)[0]
-    kv_in = _rows(first, src, r, KIND_KV, b)
-    r, b, _first, last = kv_bwd
-    _src, dkv_dst, dkv_stage = _kv_routes(home, r, b, last, relay, num_blocks, num_stages)
+    r, b, first, _ = kv_groups
+    kv_in = _rows(first, _kv_sources(home, r, b, relay, num_blocks), r, KIND_KV, b)
+    r, b, _, last = kv_bwd
+    dkv_dst, dkv_stage = _dkv_routes(home, r, b, last, relay, num_blocks, num_stages)
     d_kv = _rows(dkv_stage, r, dkv_dst, KIND_DKV, b)
     return np.concatenate([q_in, kv_in, out]), np.concatenate([d_out, d_q, d_kv])
 
 
-def _kv_routes(home, r, b, last, relay, num_blocks: int, num_stages: int):
-    """KV source, DKV destination and DKV stage of every (rank r, kv-block b) receive group.
+def _kv_sources(home, r, b, relay, num_blocks: int) -> np.ndarray:
+    """KV source of every (rank r, kv-block b) receive group: the home, or the relay row's source.
 
     Groups are sorted by ``r * nB + b`` (``receive_groups``), so relay rows are matched by binary search;
     rows naming no group are ignored here (check_plan rejects such tables).
     """
-    src, dkv_dst, dkv_stage = home[b], home[b].copy(), last + 1
+    src = home[b]
     if relay.shape[0] == 0 or r.size == 0:
-        return src, dkv_dst, dkv_stage
+        return src
     group_key = r * num_blocks + b
-    pos = np.minimum(np.searchsorted(group_key, relay[:, 1] * num_blocks + relay[:, 0]), group_key.size - 1)
-    hit = group_key[pos] == relay[:, 1] * num_blocks + relay[:, 0]
+    relay_key = relay[:, 1] * num_blocks + relay[:, 0]
+    pos = np.minimum(np.searchsorted(group_key, relay_key), group_key.size - 1)
+    hit = group_key[pos] == relay_key
     src = src.copy()
     src[pos[hit]] = relay[hit, 2]
-    # DKV: a child of a proxy (the proxy itself got b from home) reduces into the proxy when the
-    # proxy can still forward the sum: child arrives at last + 1, proxy sends at >= last + 2 <= S.
+    return src
+
+
+def _dkv_routes(home, r, b, last, relay, num_blocks: int, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """DKV destination and stage of every (rank r, kv-block b) receive group (``last``: its last
+    backward stage): home at ``last + 1``, or up a reduce tree. A child of a proxy (the proxy itself
+    got b from home) reduces into the proxy when the proxy can still forward the sum: the child's
+    partial arrives at last + 1, the proxy sends at >= last + 2 <= S."""
+    src = _kv_sources(home, r, b, relay, num_blocks)
+    dkv_dst, dkv_stage = home[b].copy(), last + 1
     child = np.flatnonzero(src != home[b])
+    if child.size == 0:
+        return dkv_dst, dkv_stage
+    group_key = r * num_blocks + b
     parent_key = src[child] * num_blocks + b[child]
     ppos = np.minimum(np.searchsorted(group_key, parent_key), group_key.size - 1)
     ok = (group_key[ppos] == parent_key) & (last[child] + 2 <= num_stages)
@@ -270,7 +281,7 @@ def _kv_routes(home, r, b, last, relay, num_blocks: int, num_stages: int):
     child, ppos = child[ok], ppos[ok]
     dkv_dst[child] = src[child]
     np.maximum.at(dkv_stage, ppos, last[child] + 2)
-    return src, dkv_dst, dkv_stage
+    return dkv_dst, dkv_stage
 
 
 def check_plan(plan) -> None:
