@@ -129,7 +129,11 @@ def time_planning(spec: MaskSpec, world_size: int, strategy: str, repeats: int) 
 
     check_plan(plan)
     check = time.perf_counter() - t0
+    stats = plan.stats()
+    step_over_bound = ((stats["sim_time_fwd"] + stats["sim_time_bwd"])
+                       / (stats["lower_bound_fwd"] + stats["lower_bound_bwd"]))
     return {"tokens": spec.total_len, "world_size": world_size, "strategy": strategy, "tiles": int(plan.tile_q.numel()),
+            "step_over_lower_bound": step_over_bound, "compute_imbalance": stats["compute_imbalance"],
             "plan_ms_min": 1e3 * min(times), "plan_ms_median": 1e3 * float(np.median(times)),
             "plan_cpu_ms_min": 1e3 * min(cpu_times),
             "block_classification_ms": 1e3 * classify, "tile_extraction_ms": 1e3 * extract, "check_plan_ms": 1e3 * check}
@@ -244,7 +248,8 @@ def print_report(report: dict) -> None:
     for t in report["planning_time"]:
         print(f"plan {t['source']:9s} T={t['tokens']:8d} P={t['world_size']:2d} {t['strategy']:7s} tiles={t['tiles']:7d} "
               f"plan {t['plan_ms_min']:7.2f} ms (median {t['plan_ms_median']:7.2f}, cpu {t['plan_cpu_ms_min']:7.2f}), classification "
-              f"{t['block_classification_ms']:8.1f} ms, tile extraction {t['tile_extraction_ms']:6.1f} ms, check {t['check_plan_ms']:6.1f} ms")
+              f"{t['block_classification_ms']:8.1f} ms, tile extraction {t['tile_extraction_ms']:6.1f} ms, check {t['check_plan_ms']:6.1f} ms; "
+              f"fwd+bwd / bound {t['step_over_lower_bound']:.2f}")
 
 
 if __name__ == "__main__":

@@ -390,3 +390,27 @@ def test_both_ends_staging_spares_a_rank_everyone_reads():
                       world_size=P, dtype=torch.bfloat16, mask_signature=spec.signature(), cost_model=cost_model,
                       **HEADS)
     check_plan(plan)
+
+
+def test_relay_aware_balancing_lets_a_hot_rank_shed_to_its_node_mates():
+    """A long causal document over two nodes, in contiguous runs ("hierarchical"): the rank holding its
+    end carries most of its compute. Priced per rank, every node-mate it could shed rows to would pull
+    the document's other-node KV over its own NIC, so it keeps them; priced per node (KV already on the
+    node travels over NVLink, as relays then make it), it sheds them."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.balance import Balancer
+    from blockattn.planner.tiles import TileSet
+
+    spec = MaskSpec.documents([9000] + [300] * 30)
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    cm = CostModel(topology=Topology(ranks_per_node=4))
+    sizes = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, element_size=2)
+    home = dcp_module._initial_home(tiles, 8, "hierarchical", cm, sizes)
+    compute = cm.tile_flops(tiles.pairs, num_q_heads=32, head_dim=128) / cm.fwd_rate
+
+    def peak(relay_aware):
+        rank = Balancer(tiles, home, compute, 8, cm.topology, relay_aware=relay_aware, **sizes).run()
+        load = np.bincount(rank, weights=compute, minlength=8)
+        return load.max() / load.mean()
+
+    assert peak(False) > 2.5 and peak(True) < 2.0
