@@ -18,6 +18,12 @@ max(time(r), time(t)) is taken (never more than brings r to the mean or t to the
 
 Targets are tried same node first, then least loaded; transfers across nodes only win when the
 work they carry outweighs the slower link, so placement stays inside nodes where it can.
+
+``relay_aware`` (several nodes) prices KV the way planner/relay.py then moves it: a block crosses
+into a node once, into a proxy rotating with the block (a node's NICs share the inbound copies), and
+reaches the node's other readers over NVLink. Without it, the rank that first reads a long document's
+remote KV on a node carries all of it on its own NIC, and cannot shed work to node-mates that
+would each pull the same KV again.
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ class Balancer:
         self.have_kv = np.zeros((P, nB), dtype=bool)
         self.num_nodes = int(self.node.max()) + 1
         self.node_kv = np.zeros((self.num_nodes, nB), dtype=np.int64) - 1  # a rank of the node holding b, or -1
+        self.node_size = np.bincount(self.node, minlength=self.num_nodes)
+        self.node_start = np.r_[0, np.cumsum(self.node_size)[:-1]]  # nodes are runs of consecutive ranks
         self.has_out = np.zeros((P, nB), dtype=bool)
         self._scratch = np.zeros(nB, dtype=np.int64)
         blocks = np.arange(nB)
@@ -89,21 +97,24 @@ class Balancer:
         self.have_kv[dst, kv] = True
         src, link = self.home[kv], self._link(self.home[kv], dst)
         if self.relay_aware:
-            # a block another rank of dst's node already holds comes from it over NVLink (a relay);
-            # the first receiver on a node (per block, in this batch) is the one that crosses the NIC
+            # Relays: a block crosses into a node once, into a proxy rotating with the block (the
+            # node's NICs share the inbound copies), and reaches the node's other readers over NVLink.
             nd = self.node[dst]
+            inter = link == 1
+            fresh = inter & (self.node_kv[nd, kv] < 0)
+            if fresh.any():
+                _, first = np.unique(nd[fresh] * self.nB + kv[fresh], return_index=True)
+                cross_kv = kv[fresh][first]
+                cross_node = nd[fresh][first]
+                proxy = self.node_start[cross_node] + cross_kv % self.node_size[cross_node]
+                np.add.at(self.send, (self.home[cross_kv], np.ones_like(cross_kv)), self.kv_bytes[cross_kv])
+                np.add.at(self.recv, (proxy, np.ones_like(cross_kv)), self.kv_bytes[cross_kv])
+                self.node_kv[cross_node, cross_kv] = proxy
             holder = self.node_kv[nd, kv]
-            order = np.lexsort((dst, kv, nd))
-            key = (nd * self.nB + kv)[order]
-            first = np.r_[True, key[1:] != key[:-1]] if key.size else key.astype(bool)
-            first_rank = np.empty_like(dst)
-            first_rank[order] = dst[order][np.flatnonzero(first)[np.cumsum(first) - 1]]
-            holder = np.where(holder >= 0, holder, np.where(first_rank != dst, first_rank, -1))
-            relayed = (holder >= 0) & (link == 1)
-            src = np.where(relayed, holder, src)
-            link = np.where(relayed, 0, link)
-            fresh = self.node_kv[nd, kv] < 0
-            self.node_kv[nd[fresh], kv[fresh]] = first_rank[fresh]
+            src = np.where(inter, holder, src)
+            link = np.where(inter, 0, link)
+            keep = src != dst  # the proxy itself already counted its NIC receive
+            src, dst, link, kv = src[keep], dst[keep], link[keep], kv[keep]
         np.add.at(self.send, (src, link), self.kv_bytes[kv])
         np.add.at(self.recv, (dst, link), self.kv_bytes[kv])
 

@@ -70,6 +70,7 @@ COARSE_TILE_LIMIT = 16384
 SELECT_MIN_TILES = 2048
 SELECT_MIN_BLOCKS_PER_RANK = 32
 SELECT_KEEP = 2
+REFINE_TOP = 2  # finalists refined (relay-aware rebalancing, restaging) before the fastest is kept
 RELAY_TOP = 2  # relays are weighed for this many of the fastest candidates (their scoring is costly)
 MIN_COARSE_BLOCKS_PER_RANK = 32
 # Several nodes: the chosen candidate is also staged with the budget rule of planner/stages.py doubled
@@ -209,12 +210,12 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
         # scored with their relays: ranked before relays they would look slow
         finalists += [_place(tiles, world_size, name, cost_model, max_stages, sizes, relay_aware=True)[0]
                       for name in RELAY_AWARE_INITS if name in inits]
-    best = min(finalists, key=lambda placement: placement.sim_time)  # first of equals: candidate order
-    best_time = best.sim_time
-    if multi_node and best_time > good_enough:
-        best = _relay_balanced(tiles, best, world_size, cost_model, max_stages, sizes)
-        best = _restaged(tiles, best, world_size, cost_model, max_stages, sizes)
-    return best
+    finalists.sort(key=lambda placement: placement.sim_time)  # stable: first of equals in candidate order
+    if multi_node and finalists[0].sim_time > good_enough:
+        # the refinements gain unequally: the two fastest finalists are refined, the faster result kept
+        finalists = [_restaged(tiles, _relay_balanced(tiles, placement, world_size, cost_model, max_stages, sizes),
+                               world_size, cost_model, max_stages, sizes) for placement in finalists[:REFINE_TOP]]
+    return min(finalists, key=lambda placement: placement.sim_time)
 
 
 def _relay_balanced(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, max_stages: int,
