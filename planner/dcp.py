@@ -17,13 +17,13 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
 2. Tile placement (compute, planner/balance.py): every tile starts on its q-block's home (reads
    remote KV only, no OUT partial). Overloaded ranks then shed q-rows to the kv-homes (only Q and
    one OUT partial move per row, receive-once) and rectangles to the least loaded ranks, same node
-   first, each move taken only if the cost model says it shortens the slower of the two ranks.
+   first, each move taken only if the cost model says it shortens the slower of the two ranks. On
+   several nodes a second, relay-aware balancer prices KV as the relays will move it (once into a
+   node, then over NVLink).
 3. Stages (planner/stages.py): stage 0 = tiles whose inputs are home; remote inputs ordered by the
    compute they unlock per transfer second and cut into <= ``max_stages`` stages, each sized to hide
    behind the previous stage's compute; purely local tiles are then spread into later stages where
-   a rank's transfers (e.g. OUT partials returning to a donor) would otherwise be exposed. On several
-   nodes the chosen placement is also restaged twice, with front-loaded transfers (``FRONT_LOAD``)
-   and with all ranks' items staged together against receivers' and senders' compute alike.
+   a rank's transfers (e.g. OUT partials returning to a donor) would otherwise be exposed.
 4. Relays (planner/relay.py, several nodes only): a KV block read by several ranks of a remote
    node crosses the inter-node link once, to a proxy on that node that forwards it over NVLink,
    and their dK/dV partials are summed on the way back; kept only where the cost model says so.
@@ -33,7 +33,11 @@ No initial placement dominates (measured over the benchmark batches: on one node
 documents; on several nodes each of the five candidates wins somewhere), so dcp plans them in turn
 and keeps the one with the lowest simulated forward + backward time, stopping early once a plan
 is within 5% of the lower bound. With more than two candidates they are first ranked on 2x-merged
-blocks and only the best two are planned at full resolution. On several nodes the plain zigzag
+blocks and only the best two are planned at full resolution. On several nodes the two fastest
+candidates get relays and join a relay-aware "hierarchical" plan (``RELAY_AWARE_INITS``) as
+finalists; the two fastest finalists are refined (relay-aware rebalancing of their data placement,
+restaging with front-loaded transfers and with all ranks' items staged against receivers' and
+senders' compute alike, each kept only where faster) and the faster result is kept. The plain zigzag
 baseline ("zigzag-ring") is a candidate too, and the final plan is checked against both baselines
 at full resolution (skipped for a baseline ``BASELINE_MARGIN`` slower on the merged blocks), so
 dcp is never slower than them in the cost model. Batches with many tiles are planned on merged
