@@ -89,8 +89,8 @@ def _variants(tiles: TileSet, placement: Placement, *, world_size: int, cost_mod
         schedule = None  # derived for other stage numbers
     kv_groups = _placement_groups(tiles.kv, KIND_KV, home, rank, stage, schedule, tiles.num_blocks)
     rpn = cost_model.topology.ranks_per_node
-    # two proxy choices, each weighed below: the lowest rank (fewest relay hops to reorder) or
-    # rotating over the earliest receivers (a node's NICs share the inbound copies)
+    # two proxy choices, each weighed below: the lowest-ranked earliest receiver or one
+    # rotating over them with the block (a node's NICs share the inbound copies)
     cands = [c for c in (relay_candidates(home, kv_groups, ranks_per_node=rpn, rotate=rotate)
                          for rotate in (False, True)) if c is not None]
     if len(cands) == 2 and np.array_equal(cands[0].proxy, cands[1].proxy) and np.array_equal(cands[0].dst, cands[1].dst):
