@@ -94,6 +94,8 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     ``topology``: ranks per node and link speeds (default: 8 H200 per node, NVLink + 400 Gb/s).
     ``max_stages``: upper bound on communication stages for dcp/fcp (stage 0 excluded).
     ``check``: verify the plan's consistency (planner/schedule.py ``check_plan``) before returning.
+    To keep planning out of the training step, plan the next batches ahead with ``PlanAhead``
+    (planner/ahead.py), which runs this function in a worker process.
     """
     world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology = check_plan_args(
         world_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
