@@ -142,7 +142,10 @@ class PlanAhead:
     def __del__(self):
         pool = getattr(self, "_pool", None)
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            try:
+                pool.shutdown(wait=False, cancel_futures=True)
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the pool's own exit hook stops the workers
+                pass
 
 
 def _unpickle_into(done: Future, plan: Future) -> None:
