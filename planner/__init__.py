@@ -4,7 +4,7 @@ Public entry: ``make_plan`` (re-exported as ``blockattn.make_plan``). See docs/d
 """
 
 from .ahead import PlanAhead
-from .api import STRATEGIES, check_plan_args, clear_plan_cache, default_block_size, make_plan
+from .api import STRATEGIES, clear_plan_cache, default_block_size, make_plan
 from .cost_model import CostModel, Topology
 from .plan import Plan
 from .schedule import (BWD_KINDS, FWD_KINDS, KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_NAMES, KIND_OUT, KIND_Q,

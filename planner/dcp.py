@@ -46,13 +46,11 @@ blocks (``coarsen``) and mapped back, which keeps planning time near-linear in t
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 from .balance import Balancer
 from .cost_model import CostModel
-from .placement import Placement, balanced_bounds, compact_stages, runs_to_home
+from .placement import Placement, balanced_bounds, runs_to_home
 from .relay import add_relays
 from .schedule import KIND_KV, payload_bytes
 from .stages import assign_stages, finish_placement
@@ -77,8 +75,8 @@ SELECT_KEEP = 2
 REFINE_TOP = 2  # finalists refined (relay-aware rebalancing, restaging) before the fastest is kept
 RELAY_TOP = 2  # relays are weighed for this many of the fastest candidates (their scoring is costly)
 MIN_COARSE_BLOCKS_PER_RANK = 32
-# Several nodes: the chosen candidate is also staged with the budget rule of planner/stages.py doubled
-# (transfers front-loaded) and the faster staging is kept. Neither wins everywhere (doubled for every
+# Several nodes: the refined finalists are also staged with the budget rule of planner/stages.py
+# doubled (transfers front-loaded) and the faster staging is kept. Neither wins everywhere (doubled for every
 # candidate: 27 of 57 benchmark cases faster, 11 slower): a rank's later stages also carry other
 # ranks' requests and returning partials, which the per-receiver rule cannot see. Trying it on the
 # winner only gives the same geomean as on every candidate (fwd+bwd / bound on 32 ranks 1.79 -> 1.70).
@@ -206,20 +204,25 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
             break  # cannot gain more than a few percent: skip the other candidates
     # several nodes: relays (hot KV blocks cross each inter-node link once and fan out over NVLink)
     # are weighed for the RELAY_TOP fastest candidates only
-    finalists = [placement for _, _, placement in sorted(planned, key=lambda item: item[:2])[:RELAY_TOP]]
+    # finalists: (placement, balanced relay-aware already)
+    finalists = [(placement, False) for _, _, placement in sorted(planned, key=lambda item: item[:2])[:RELAY_TOP]]
     if multi_node and min(t for t, _, _ in planned) > good_enough:
-        finalists = [add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
-                                max_stages=max_stages, sizes=sizes) for placement in finalists]
+        finalists = [(add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
+                                 max_stages=max_stages, sizes=sizes), False) for placement, _ in finalists]
         # plus candidates balanced on the premise of relays (KV already on a node priced as NVLink),
         # scored with their relays: ranked before relays they would look slow
-        finalists += [_place(tiles, world_size, name, cost_model, max_stages, sizes, relay_aware=True)[0]
+        finalists += [(_place(tiles, world_size, name, cost_model, max_stages, sizes, relay_aware=True)[0], True)
                       for name in RELAY_AWARE_INITS if name in inits]
-    finalists.sort(key=lambda placement: placement.sim_time)  # stable: first of equals in candidate order
-    if multi_node and finalists[0].sim_time > good_enough:
+    finalists.sort(key=lambda item: item[0].sim_time)  # stable: first of equals in candidate order
+    if multi_node and finalists[0][0].sim_time > good_enough:
         # the refinements gain unequally: the two fastest finalists are refined, the faster result kept
-        finalists = [_restaged(tiles, _relay_balanced(tiles, placement, world_size, cost_model, max_stages, sizes),
-                               world_size, cost_model, max_stages, sizes) for placement in finalists[:REFINE_TOP]]
-    return min(finalists, key=lambda placement: placement.sim_time)
+        refined = []
+        for placement, balanced in finalists[:REFINE_TOP]:
+            if not balanced:  # (a relay-aware finalist would meet the same balancer on the same homes)
+                placement = _relay_balanced(tiles, placement, world_size, cost_model, max_stages, sizes)
+            refined.append((_restaged(tiles, placement, world_size, cost_model, max_stages, sizes), balanced))
+        finalists = refined
+    return min(finalists, key=lambda item: item[0].sim_time)[0]
 
 
 def _relay_balanced(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, max_stages: int,
