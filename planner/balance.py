@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .placement import first_occurrence
 from .schedule import KIND_KV, KIND_OUT, KIND_Q, payload_bytes
 from .tiles import TileSet
 
@@ -149,10 +150,10 @@ class Balancer:
         cand, cum_c = cand[:k_max], cum_c[:k_max]
         q, kv = self.t.q[cand], self.t.kv[cand]
         hq, hkv = self.home[q], self.home[kv]
-        first_q = _first_occurrence(q, self._scratch)
+        first_q = first_occurrence(q, self._scratch)
         new_q = first_q & ~self.have_q[t, q]
         new_out = first_q & (hq != t) & ~self.has_out[t, q]
-        new_kv = _first_occurrence(kv, self._scratch) & ~self.have_kv[t, kv]
+        new_kv = first_occurrence(kv, self._scratch) & ~self.have_kv[t, kv]
         lq, lkv = self._link(hq, t), self._link(hkv, t)
         if self.relay_aware:
             lkv = lkv & (self.node_kv[self.node[t], kv] < 0)  # held on t's node: relayed over NVLink
@@ -280,14 +281,5 @@ def _argsort_small_ints(values: np.ndarray) -> np.ndarray:
 
 def _distinct(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """Distinct values (indices of ``scratch``) in order of first occurrence; O(k), no sort."""
-    return values[_first_occurrence(values, scratch)]
+    return values[first_occurrence(values, scratch)]
 
-
-def _first_occurrence(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """bool mask: True at the first position of each distinct value (values index ``scratch``).
-
-    O(k): writing positions in reverse makes the earliest position the surviving write."""
-    k = values.size
-    pos = np.arange(k)
-    scratch[values[::-1]] = pos[::-1]
-    return scratch[values] == pos

@@ -29,8 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_INPUT_KINDS = (0, 1, 3)  # Q, KV, DO (planner/schedule.py kinds): they travel one exchange before their stage
-_IS_INPUT = np.isin(np.arange(6), _INPUT_KINDS)  # by kind (a lookup: np.isin per call costs more than the rest)
+from .schedule import KIND_DO, KIND_KV, KIND_NAMES, KIND_Q
+
+# Q, KV, DO travel one exchange before their stage; by kind (a lookup: np.isin per call costs more
+# than the rest of stage_comm_time)
+_IS_INPUT = np.isin(np.arange(len(KIND_NAMES)), (KIND_Q, KIND_KV, KIND_DO))
 
 
 @dataclass(frozen=True)

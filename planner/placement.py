@@ -1,4 +1,5 @@
-"""Small helpers shared by the strategies: balanced block runs, stage compaction, the result type.
+"""Small helpers shared by the strategies: balanced block runs, stage compaction, first occurrences,
+the result type.
 
 Notation (docs/design.md): nB blocks, P ranks, a tile (qb, kb) is placed on a rank in a stage.
 """
@@ -45,3 +46,13 @@ def compact_stages(stage: np.ndarray) -> tuple[np.ndarray, int]:
     used[0] = False
     remap = np.cumsum(used)  # stage 0 -> 0, the k-th used stage >= 1 -> k
     return remap[stage], int(remap[-1]) + 1
+
+
+def first_occurrence(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """bool mask: True at the first position of each distinct value (values index ``scratch``).
+
+    O(k): writing positions in reverse makes the earliest position the surviving write."""
+    k = values.size
+    pos = np.arange(k)
+    scratch[values[::-1]] = pos[::-1]
+    return scratch[values] == pos

@@ -36,7 +36,8 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages
-from .stages import backward_stages, choose_backward_staging, local_tiles_by_rank, spread_backward_local
+from .stages import (backward_stages, backward_time, choose_backward_staging, local_tiles_by_rank,
+                     spread_backward_local)
 from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, receive_groups,
                        row_bytes, schedule_rows)
 from .tiles import TileSet
@@ -246,11 +247,8 @@ class _Scorer:
                 return stage_groups, bwd_comm(stage_groups)
 
             def time_of(stage_bwd, comm):
-                spread = spread_backward_local(stage_bwd, self.compute_bwd_time, self.rank, self.local_order, comm,
-                                               world_size=self.P, num_stages=num_stages)
-                per = np.bincount(self.rank * num_stages + spread, weights=self.compute_bwd_time,
-                                  minlength=self.P * num_stages).reshape(self.P, num_stages)
-                return spread, self.cm.overlapped_time(per, comm).max()
+                return backward_time(stage_bwd, self.compute_bwd_time, self.rank, self.local_order, comm,
+                                     world_size=self.P, num_stages=num_stages, cost_model=self.cm)
 
             # the backward staging finish_placement would pick for the relay-free placement (local
             # tiles are spread per variant, in _score, against that variant's transfers)

@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from .cost_model import CostModel
-from .placement import Placement, compact_stages
+from .placement import Placement, compact_stages, first_occurrence
 from .schedule import KIND_KV, KIND_Q, derive_schedule, payload_bytes, row_bytes
 
 
@@ -126,7 +126,7 @@ def _stage_items_both_ends(order, receiver, sender, inter, item_time, item_of, t
         limit = budget * budget_scale
         fits = ((_grouped_cumsum(receiver[pending] * 2 + link[pending], t) <= limit[receiver[pending]])
                 & (_grouped_cumsum(sender[pending] * 2 + link[pending], t) <= limit[sender[pending]]))
-        fits |= _first_of_group(receiver[pending], P)
+        fits |= first_occurrence(receiver[pending], np.empty(P, dtype=np.int64))
         item_stage[pending[fits]] = placed[pending[fits]] = s
         pending = pending[~fits]
         # the next budget: compute of the remote tiles whose last item arrives in this stage
@@ -145,14 +145,6 @@ def _grouped_cumsum(key: np.ndarray, value: np.ndarray) -> np.ndarray:
     out = np.empty_like(cum)
     out[by] = cum - (cum - value[by])[group_start]
     return out
-
-
-def _first_of_group(key: np.ndarray, num_keys: int) -> np.ndarray:
-    """True at the first position of each key."""
-    seen = np.full(num_keys, -1, dtype=np.int64)
-    pos = np.arange(key.size)
-    seen[key[::-1]] = pos[::-1]
-    return seen[key] == pos
 
 
 def _dense_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -296,6 +288,17 @@ def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarr
     return _pour(stage, compute, rank, local_order, gaps[:, fill], movable, fill)
 
 
+def backward_time(stage_bwd: np.ndarray, compute_bwd: np.ndarray, rank: np.ndarray, local_order: np.ndarray,
+                  comm_bwd: np.ndarray, *, world_size: int, num_stages: int, cost_model: CostModel) -> tuple:
+    """(``stage_bwd`` with its local tiles spread against ``comm_bwd`` [P, S + 1], the slowest rank's
+    overlapped backward time); ``compute_bwd``: per-tile backward seconds."""
+    spread = spread_backward_local(stage_bwd, compute_bwd, rank, local_order, comm_bwd, world_size=world_size,
+                                   num_stages=num_stages)
+    per = np.bincount(rank * num_stages + spread, weights=compute_bwd,
+                      minlength=world_size * num_stages).reshape(world_size, num_stages)
+    return spread, float(cost_model.overlapped_time(per, comm_bwd).max())
+
+
 def _pour(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, order: np.ndarray, gaps: np.ndarray,
           movable: np.ndarray, fill: np.ndarray) -> np.ndarray:
     """Move local tiles into transfer gaps: per rank, ``order``'s tiles (grouped by rank, in the order
@@ -372,11 +375,8 @@ def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarra
         local_order = local_tiles_by_rank(rank, local)
 
         def spread_and_time(stage_bwd, comm_bwd):
-            stage_bwd = spread_backward_local(stage_bwd, compute_bwd, rank, local_order, comm_bwd, world_size=P,
-                                              num_stages=num_stages)
-            per = np.bincount(rank * num_stages + stage_bwd, weights=compute_bwd,
-                              minlength=P * num_stages).reshape(P, num_stages)
-            return stage_bwd, float(cost_model.overlapped_time(per, comm_bwd).max())
+            return backward_time(stage_bwd, compute_bwd, rank, local_order, comm_bwd, world_size=P,
+                                 num_stages=num_stages, cost_model=cost_model)
 
         if P > cost_model.topology.ranks_per_node:
             def derive(stage_bwd):
