@@ -64,8 +64,8 @@ class _Exchange:
 
 @dataclass(frozen=True)
 class _Stage:
-    fwd_tiles: object  # TileList (q-major) or None when the rank has no tile in this stage
-    bwd_tiles_t: object  # TileList (kv-major; backward stages only) or None
+    q_tiles: object  # TileList (q-major: forward, dQ) or None when the rank has no tile in this stage
+    kv_tiles: object  # TileList (kv-major: dK/dV; backward stages only) or None
     q_rows: torch.Tensor  # int64 token rows of the stage's work q-blocks (dQ rows written)
     kv_rows: torch.Tensor  # int64 token rows of the stage's work kv-blocks (dK/dV rows written)
 
@@ -338,8 +338,8 @@ class _DistributedAttention(torch.autograd.Function):
         for j in range(S + 1):
             handle = _run_exchange(prog.exchanges["fwd"][j], bufs, group=run.group, device=dev, method=run.method,
                                    tag=2 * j, wire_dtype=q.dtype, name=f"fwd exchange {j}/{S}")
-            if j < S and prog.stages[j].fwd_tiles is not None:
-                be.attention_fwd(qb, kb, vb, prog.stages[j].fwd_tiles, kmask, scale, out=out, lse=lse,
+            if j < S and prog.stages[j].q_tiles is not None:
+                be.attention_fwd(qb, kb, vb, prog.stages[j].q_tiles, kmask, scale, out=out, lse=lse,
                                  accumulate=True)
             received = handle.wait()
             for peer, secs in prog.exchanges["fwd"][j].recvs.items():
@@ -386,11 +386,11 @@ class _DistributedAttention(torch.autograd.Function):
         for j in range(S + 1):
             handle = _run_exchange(prog.exchanges["bwd"][j], bufs, group=run.group, device=dev, method=run.method,
                                    tag=2 * j + 1, wire_dtype=qb.dtype, name=f"bwd exchange {j}/{S}")
-            if j < S and prog.stages_bwd[j].fwd_tiles is not None:
+            if j < S and prog.stages_bwd[j].q_tiles is not None:
                 st = prog.stages_bwd[j]
-                dq_s = be.attention_bwd_dq(qb, kb, vb, dout_b, lse_b, delta_b, st.fwd_tiles, kmask, scale)
+                dq_s = be.attention_bwd_dq(qb, kb, vb, dout_b, lse_b, delta_b, st.q_tiles, kmask, scale)
                 dq.index_add_(0, st.q_rows, dq_s[st.q_rows].to(torch.float32))
-                dk_s, dv_s = be.attention_bwd_dkdv(qb, kb, vb, dout_b, lse_b, delta_b, st.bwd_tiles_t, kmask, scale)
+                dk_s, dv_s = be.attention_bwd_dkdv(qb, kb, vb, dout_b, lse_b, delta_b, st.kv_tiles, kmask, scale)
                 dk.index_add_(0, st.kv_rows, dk_s[st.kv_rows].to(torch.float32))
                 dv.index_add_(0, st.kv_rows, dv_s[st.kv_rows].to(torch.float32))
             received = handle.wait()

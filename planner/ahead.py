@@ -19,7 +19,6 @@ result thread before ``result()`` is asked for). ``bench/bench_plan_ahead.py`` m
 from __future__ import annotations
 
 import itertools
-import os
 import pickle
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -31,19 +30,18 @@ import multiprocessing as mp
 
 import torch
 
-from .api import check_plan_args, make_plan
+from .api import check_mask_spec, check_plan_args, make_plan
 from .cost_model import Topology
 from .plan import Plan
 
 _DEAD_WORKER = ("a planning worker process died (killed, e.g. out of memory, or crashed); the plans in flight "
                 "are lost: close this PlanAhead and create a new one")
-DEFAULT_TIMEOUT_S = 600.0  # longest wait for one plan in ``map`` (a 1M-token / 64-rank plan takes < 1 s)
+DEFAULT_TIMEOUT_S = 600.0  # longest wait for one plan in ``map`` (a 1M-token / 64-rank plan takes ~1 s)
 
 
 def _init_worker() -> None:
     """Worker process start: one thread (the trainer keeps the other cores), planner imported."""
     torch.set_num_threads(1)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _plan_pickled(spec_bytes: bytes, world_size: int, kwargs: dict) -> bytes:
@@ -86,10 +84,7 @@ class PlanAhead:
         ``make_plan`` raised, e.g. ValueError for a bad block size)."""
         if self._pool is None:
             raise RuntimeError("PlanAhead is closed; create a new one to plan more batches")
-        for attr in ("total_len", "signature", "block_mask"):
-            if not hasattr(mask_spec, attr):
-                raise TypeError(f"mask_spec must be a blockattn MaskSpec (missing .{attr}), "
-                                f"got {type(mask_spec).__name__}")
+        check_mask_spec(mask_spec)
         try:
             spec_bytes = pickle.dumps(mask_spec, protocol=pickle.HIGHEST_PROTOCOL)
         except (pickle.PicklingError, AttributeError, TypeError) as err:

@@ -84,6 +84,13 @@ def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, hea
     return world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology
 
 
+def check_mask_spec(mask_spec) -> None:
+    """TypeError unless ``mask_spec`` offers what planning reads (a blockattn MaskSpec does)."""
+    for attr in ("total_len", "signature", "block_mask"):
+        if not hasattr(mask_spec, attr):
+            raise TypeError(f"mask_spec must be a blockattn MaskSpec (missing .{attr}), got {type(mask_spec).__name__}")
+
+
 def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
               dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
               topology: Topology | None = None, max_stages: int = 4, check: bool = True) -> Plan:
@@ -100,9 +107,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology = check_plan_args(
         world_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
         block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages)
-    for attr in ("total_len", "signature", "block_mask"):
-        if not hasattr(mask_spec, attr):
-            raise TypeError(f"mask_spec must be a blockattn MaskSpec (missing .{attr}), got {type(mask_spec).__name__}")
+    check_mask_spec(mask_spec)
     total_len = int(mask_spec.total_len)
     if block_size is None:
         block_size = default_block_size(total_len, world_size)

@@ -86,13 +86,13 @@ def test_rank_programs_agree_with_the_plan_and_each_other(case):
         assert prog.n_local == plan.local_len(r)
         q_rows, kv_rows = _token_of_rows(plan, prog, r, "q"), _token_of_rows(plan, prog, r, "kv")
         for stage in prog.stages:
-            if stage.fwd_tiles is not None:
-                n_tiles += _check_tiles(plan, stage.fwd_tiles, q_rows, kv_rows)
+            if stage.q_tiles is not None:
+                n_tiles += _check_tiles(plan, stage.q_tiles, q_rows, kv_rows)
         n_bwd = 0
         for stage in prog.stages_bwd:
-            if stage.fwd_tiles is not None:
-                n_bwd += _check_tiles(plan, stage.fwd_tiles, q_rows, kv_rows)
-                n_tiles_t += _check_tiles(plan, stage.bwd_tiles_t, kv_rows, q_rows)
+            if stage.q_tiles is not None:
+                n_bwd += _check_tiles(plan, stage.q_tiles, q_rows, kv_rows)
+                n_tiles_t += _check_tiles(plan, stage.kv_tiles, kv_rows, q_rows)
         assert n_bwd == int((plan.tile_rank == r).sum())
         for direction in ("fwd", "bwd"):
             assert prog.planned_bytes[direction] == stats[f"bytes_sent_{direction}"][r]
