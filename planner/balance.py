@@ -19,6 +19,9 @@ max(time(r), time(t)) is taken (never more than brings r to the mean or t to the
 Targets are tried same node first, then least loaded; transfers across nodes only win when the
 work they carry outweighs the slower link, so placement stays inside nodes where it can.
 
+``start`` (default: every tile on its q-block's home) gives another starting assignment, e.g.
+``pushed_rows``: the bookkeeping counts its Q, OUT and KV transfers the same receive-once way.
+
 ``relay_aware`` (several nodes) prices KV the way planner/relay.py then moves it: a block crosses
 into a node once, into a proxy rotating with the block (a node's NICs share the inbound copies), and
 reaches the node's other readers over NVLink. Without it, the rank that first reads a long document's
@@ -46,7 +49,8 @@ class Balancer:
     """Mutable tile -> rank assignment with per-rank compute time and transfer bytes."""
 
     def __init__(self, tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology, *,
-                 num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, relay_aware: bool = False):
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, relay_aware: bool = False,
+                 start: np.ndarray | None = None):
         P, nB = world_size, tiles.num_blocks
         self.t, self.home, self.c, self.P, self.nB = tiles, home, compute, P, nB
         self.node = topology.node_of(np.arange(P))
@@ -59,7 +63,7 @@ class Balancer:
         self.kv_bytes = payload_bytes(KIND_KV, lens, **sizes).astype(np.float64)
         self.out_bytes = payload_bytes(KIND_OUT, lens, **sizes).astype(np.float64)
 
-        self.rank = home[tiles.q].copy()
+        self.rank = home[tiles.q].copy() if start is None else start.copy()
         self.C = np.bincount(self.rank, weights=compute, minlength=P)
         self.mean = self.C.sum() / P
         self.cap = self.mean * (1 + BALANCE_SLACK)
@@ -79,6 +83,9 @@ class Balancer:
         self.node_kv[self.node[home], blocks] = home
         remote = home[tiles.kv] != self.rank
         self._add_kv(self.rank[remote], tiles.kv[remote])
+        pushed = np.flatnonzero(self.rank != home[tiles.q])
+        for t in np.unique(self.rank[pushed]).tolist():
+            self._add_q_out(pushed[self.rank[pushed] == t], t)
 
     # ------------------------------------------------------------------ bookkeeping
     def _link(self, a, b) -> np.ndarray:
@@ -183,6 +190,11 @@ class Balancer:
         self.C[r] -= self.c[idx].sum()
         self.C[t] += self.c[idx].sum()
         self.rank[idx] = t
+        self._add_q_out(idx, t)
+        self._add_kv(np.full(kv.size, t), kv)
+
+    def _add_q_out(self, idx: np.ndarray, t: int) -> None:
+        q = self.t.q[idx]
         uq = _distinct(q, self._scratch)
         new_q = uq[~self.have_q[t, uq]]
         link = self._link(self.home[new_q], t)
@@ -194,7 +206,6 @@ class Balancer:
         np.add.at(self.send, (np.full(out_q.size, t), link), self.out_bytes[out_q])
         np.add.at(self.recv, (self.home[out_q], link), self.out_bytes[out_q])
         self.has_out[t, out_q] = True
-        self._add_kv(np.full(kv.size, t), kv)
 
     def _target_order(self, ranks: np.ndarray, r: int) -> np.ndarray:
         """Indices of the first MAX_TARGETS_PER_DONOR of ``ranks``: same node as r first, then least loaded."""
@@ -282,4 +293,28 @@ def _argsort_small_ints(values: np.ndarray) -> np.ndarray:
 def _distinct(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """Distinct values (indices of ``scratch``) in order of first occurrence; O(k), no sort."""
     return values[first_occurrence(values, scratch)]
+
+
+def pushed_rows(tiles: TileSet, home: np.ndarray, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                element_size: int) -> np.ndarray:
+    """Start rank of every tile: its q-home, or its kv-home where the q-row's piece there reads more KV
+    bytes (each block's KV shared by the q-home's rows that read it) than the Q block and OUT partial
+    that computing it at the kv-home moves."""
+    sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size)
+    lens = tiles.block_lengths()
+    q_out_bytes = (payload_bytes(KIND_Q, lens, **sizes) + payload_bytes(KIND_OUT, lens, **sizes)).astype(np.float64)
+    kv_bytes = payload_bytes(KIND_KV, lens, **sizes).astype(np.float64)
+    nB, P = tiles.num_blocks, int(home.max()) + 1 if home.size else 1
+    q_home, kv_home = home[tiles.q], home[tiles.kv]
+    rank = q_home.copy()
+    remote = np.flatnonzero(q_home != kv_home)
+    if remote.size == 0:
+        return rank
+    r, k = q_home[remote], tiles.kv[remote]
+    readers = np.bincount(r * nB + k, minlength=P * nB)  # rows of r reading block k
+    share = kv_bytes[k] / readers[r * nB + k]
+    piece = tiles.q[remote] * P + kv_home[remote]
+    push = np.bincount(piece, weights=share, minlength=nB * P)[piece] > q_out_bytes[tiles.q[remote]]
+    rank[remote[push]] = kv_home[remote[push]]
+    return rank
 

@@ -13,9 +13,12 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
      (compute and memory in proportion to each node's ranks; a document that fits a node stays
      whole, a heavier one is cut into as many contiguous parts as pay for the KV its cuts send over
      the inter-node links), then contiguous runs / FCP packing onto the ranks inside each node;
-   * "fcp" (planner/fcp.py) or "zigzag" (planner/baselines.py) placements.
+   * "fcp" (planner/fcp.py) or "zigzag" (planner/baselines.py) placements;
+   * "dealt" (batches with hot rows, e.g. causal_blockwise's last block reading the whole
+     sequence): the hot rows dealt round-robin over the ranks and nodes, the rest contiguous.
 2. Tile placement (compute, planner/balance.py): every tile starts on its q-block's home (reads
-   remote KV only, no OUT partial). Overloaded ranks then shed q-rows to the kv-homes (only Q and
+   remote KV only, no OUT partial) - for "dealt", a hot row's piece starts on its kv-home where
+   that moves fewer bytes (``pushed_rows``). Overloaded ranks then shed q-rows to the kv-homes (only Q and
    one OUT partial move per row, receive-once) and rectangles to the least loaded ranks, same node
    first, each move taken only if the cost model says it shortens the slower of the two ranks. On
    several nodes a second, relay-aware balancer prices KV as the relays will move it (once into a
@@ -36,8 +39,8 @@ is within 5% of the lower bound. With more than two candidates they are first ra
 blocks and only the best two are planned at full resolution. On several nodes the two fastest
 candidates get relays and join a relay-aware "hierarchical" plan (``RELAY_AWARE_INITS``) as
 finalists; the two fastest finalists are refined (relay-aware rebalancing of their data placement,
-restaging with front-loaded transfers and with all ranks' items staged against receivers' and
-senders' compute alike, each kept only where faster) and the faster result is kept. The plain zigzag
+restaging with front-loaded transfers, with all ranks' items staged against receivers' and
+senders' compute alike, and with each rank's own best budget scale, each kept only where faster) and the faster result is kept. The plain zigzag
 baseline ("zigzag-ring") is a candidate too, and the final plan is checked against both baselines
 at full resolution (skipped for a baseline ``BASELINE_MARGIN`` slower on the merged blocks), so
 dcp is never slower than them in the cost model. Batches with many tiles are planned on merged
@@ -48,7 +51,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .balance import Balancer
+from .balance import Balancer, pushed_rows
 from .cost_model import CostModel
 from .placement import Placement, balanced_bounds, runs_to_home
 from .relay import add_relays
@@ -81,11 +84,19 @@ MIN_COARSE_BLOCKS_PER_RANK = 32
 # ranks' requests and returning partials, which the per-receiver rule cannot see. Trying it on the
 # winner only gives the same geomean as on every candidate (fwd+bwd / bound on 32 ranks 1.79 -> 1.70).
 FRONT_LOAD = 2.0
+# ... and staged with each rank's budget scale chosen among these by its own overlapped-time estimate: a
+# rank that holds little local work and reads most of its KV over the NIC needs its early exchanges
+# overfilled, or the last one carries most of its transfers (fwd+bwd / bound, 32 ranks, a Wikipedia
+# batch with a 38K document: 1.85 -> 1.46). As a third restaging, kept only where faster.
+ADAPTIVE_SCALES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Several nodes: these candidates are also balanced with KV already on a node priced as NVLink (the
 # relay add_relays then sets up) and join the finalists with their relays. "hierarchical" keeps a long
 # document's part on a node in contiguous runs, so one rank can hold most of its compute, and only
 # this pricing lets it shed rows to its node-mates (1M tokens / 64 ranks: 2.76 -> 2.53 x the bound).
 RELAY_AWARE_INITS = ("hierarchical",)
+# A q-row with more than HOT_ROW times the mean row's pairs is "hot" (causal_blockwise's last block reads
+# the whole sequence): batches with hot rows also get the "dealt" candidate (``dealt_home``).
+HOT_ROW = 3.0
 _HOME_OF_PLACEMENT = "given"  # _place's init when it starts from a given block_home
 
 
@@ -105,6 +116,33 @@ def contiguous_cut_home(tiles: TileSet, world_size: int) -> np.ndarray:
         best = cand[np.arange(inner.size), np.argmin(score, axis=1)]
         bounds = np.r_[0, np.maximum.accumulate(best), nB]
     return runs_to_home(bounds, np.arange(world_size), nB)
+
+
+def hot_rows(tiles: TileSet) -> np.ndarray:
+    """int64 block indices of the q-rows with more than HOT_ROW times the mean row's unmasked pairs."""
+    row = np.bincount(tiles.q, weights=tiles.pairs, minlength=tiles.num_blocks)
+    return np.flatnonzero(row > HOT_ROW * row.mean()) if tiles.num_blocks else np.zeros(0, dtype=np.int64)
+
+
+def dealt_home(tiles: TileSet, world_size: int, *, topology) -> np.ndarray:
+    """Home of each block: the hot rows (``hot_rows``) dealt round-robin over the ranks, consecutive
+    ones to different nodes, the other blocks in equal-token contiguous runs over the room left.
+    Each rank then pushes its hot rows' pieces to the kv-homes (``pushed_rows``), so the Q blocks and
+    OUT partials of the hot rows leave through every rank's links instead of one rank's."""
+    nB = tiles.num_blocks
+    hot = hot_rows(tiles)
+    ranks = np.arange(world_size)
+    dealing_order = np.lexsort((topology.node_of(ranks), ranks % topology.ranks_per_node))  # r0 of each node, r1, ...
+    home = np.empty(nB, dtype=np.int64)
+    home[hot] = dealing_order[np.arange(hot.size) % world_size]
+    room = np.diff(balanced_bounds(nB, world_size)) - np.bincount(home[hot], minlength=world_size)
+    cool = np.ones(nB, dtype=bool)
+    cool[hot] = False
+    num_cool = int(cool.sum())
+    bounds = np.minimum(np.r_[0, np.cumsum(np.maximum(room, 0))], num_cool)
+    bounds[-1] = num_cool
+    home[cool] = runs_to_home(bounds, ranks, num_cool)
+    return home
 
 
 def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int,
@@ -192,6 +230,8 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
         inits = list(SINGLE_NODE_INITS)
     else:
         inits = list(MULTI_NODE_INITS)
+    if init is None and hot_rows(tiles).size:
+        inits.append("dealt")
     if len(inits) > len(SINGLE_NODE_INITS):
         inits = _preselect(tiles, world_size, inits, cost_model, max_stages, sizes)
     good_enough = GOOD_ENOUGH * _lower_bound(tiles, world_size, cost_model, sizes)
@@ -244,7 +284,7 @@ def _restaged(tiles: TileSet, placement: Placement, world_size: int, cost_model:
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
     home, rank = placement.block_home, placement.tile_rank
     best = placement
-    for scale, both_ends in ((FRONT_LOAD, False), (1.0, True)):
+    for scale, both_ends in ((FRONT_LOAD, False), (1.0, True), (ADAPTIVE_SCALES, False)):
         stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
                               total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,
                               max_stages=max_stages, budget_scale=scale, both_ends=both_ends, **sizes)
@@ -304,11 +344,14 @@ def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostMo
         from .baselines import zigzag_home
 
         return zigzag_home(tiles.num_blocks, world_size)
+    if init == "dealt":
+        return dealt_home(tiles, world_size, topology=cost_model.topology)
     if init == "fcp":
         from .fcp import fcp_home
 
         return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
-    raise ValueError(f"unknown dcp init {init!r}; choose contiguous, hierarchical, zigzag or fcp")
+    raise ValueError(f"unknown dcp init {init!r}; choose contiguous, hierarchical, hierarchical-fcp, zigzag, fcp "
+                     "or dealt")
 
 
 def _scored(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, sizes: dict) -> Placement:
@@ -338,8 +381,11 @@ def _place(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, ma
     else:
         if home is None:
             home = _initial_home(tiles, world_size, init, cost_model, sizes)
+        # dealt hot rows start on their kv-homes where that moves fewer bytes (from every other start
+        # this was worse as often as better over the benchmark cases)
+        start = pushed_rows(tiles, home, **sizes) if init == "dealt" else None
         rank = Balancer(tiles, home, flops / cost_model.fwd_rate, world_size, cost_model.topology,
-                        relay_aware=relay_aware, **sizes).run()
+                        relay_aware=relay_aware, start=start, **sizes).run()
         stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
                               total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,
                               max_stages=max_stages, **sizes)

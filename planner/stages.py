@@ -26,11 +26,12 @@ from .schedule import KIND_KV, KIND_Q, derive_schedule, payload_bytes, row_bytes
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
                   block_size: int, total_len: int, world_size: int, cost_model: CostModel, max_stages: int,
                   num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int,
-                  budget_scale: float = 1.0, both_ends: bool = False) -> np.ndarray:
+                  budget_scale: float | tuple = 1.0, both_ends: bool = False) -> np.ndarray:
     """int64 [ntiles] stage of every tile (see module docstring). ``budget_scale`` > 1 lets each stage's
     transfers exceed the compute hiding them by that factor (items front-loaded into fewer, earlier
     stages), which leaves the last stages lighter for the transfers this per-receiver rule cannot
-    see: other ranks' requests and the partials returning to this rank. ``both_ends``: stage the items
+    see: other ranks' requests and the partials returning to this rank; with several scales each rank
+    takes the one giving the least overlapped time by its own estimate. ``both_ends``: stage the items
     of all ranks together, each stage's items fitting the budgets of receiver *and* sender
     (``_stage_items_both_ends``), so a rank many others read from is not flooded in one exchange."""
     n = q.size
@@ -84,26 +85,40 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
                                             world_size=world_size, max_stages=max_stages, budget_scale=budget_scale)
         return _max_over_items(n, tile_idx, item_stage[item_of], remote_q, 0)
     item_stage = np.zeros(keys.size, dtype=np.int64)
+    scales = np.atleast_1d(np.asarray(budget_scale, dtype=np.float64)).tolist()
     for r in range(world_size):
         lo, hi = int(starts[r]), int(starts[r + 1])
         if lo == hi:
             continue
-        budget = local_compute[r]
-        begin, s = lo, 1
-        while begin < hi:
-            if s == max_stages:
-                end = hi
-            else:
-                # largest prefix whose transfer time fits the budget (at least one item)
-                end = int(np.searchsorted(cum_time, cum_time[begin] + budget * budget_scale, side="right")) - 1
-                end = min(hi, max(end, begin + 1))
+        # with several scales, the rank keeps the cuts of the least estimated overlapped time
+        cuts = min((_cut_items(lo, hi, local_compute[r], scale, max_stages, cum_time, done_sorted, cum_done)
+                    for scale in scales), key=lambda estimate_cuts: estimate_cuts[0])[1]
+        for begin, end, s in cuts:
             item_stage[order[begin:end]] = s
-            # compute unlocked by this stage's items hides the next stage's transfers
-            a, b = np.searchsorted(done_sorted, [begin, end])
-            budget = cum_done[b] - cum_done[a]
-            begin, s = end, s + 1
 
     return _max_over_items(n, tile_idx, item_stage[item_of], remote_q, 0)
+
+
+def _cut_items(lo: int, hi: int, budget: float, scale: float, max_stages: int, cum_time: np.ndarray,
+               done_sorted: np.ndarray, cum_done: np.ndarray) -> tuple[float, list]:
+    """(estimated overlapped time, [(begin, end, stage)]) of one rank's items ``order[lo:hi]`` cut
+    into stages: each group as long as the compute of the previous stage (``budget``: the local
+    compute for stage 1) times ``scale`` can hide, the last stage taking the rest."""
+    begin, s, cuts, estimate = lo, 1, [], 0.0
+    while begin < hi:
+        if s == max_stages:
+            end = hi
+        else:
+            # largest prefix whose transfer time fits the budget (at least one item)
+            end = int(np.searchsorted(cum_time, cum_time[begin] + budget * scale, side="right")) - 1
+            end = min(hi, max(end, begin + 1))
+        cuts.append((begin, end, s))
+        estimate += max(budget, cum_time[end] - cum_time[begin])
+        # compute unlocked by this stage's items hides the next stage's transfers
+        a, b = np.searchsorted(done_sorted, [begin, end])
+        budget = cum_done[b] - cum_done[a]
+        begin, s = end, s + 1
+    return estimate + budget, cuts
 
 
 def _stage_items_both_ends(order, receiver, sender, inter, item_time, item_of, tile_idx, remote_q, compute_time,

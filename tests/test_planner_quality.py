@@ -415,3 +415,43 @@ def test_relay_aware_balancing_lets_a_hot_rank_shed_to_its_node_mates():
         return load.max() / load.mean()
 
     assert peak(False) > 2.5 and peak(True) < 2.0
+
+
+def test_cut_items_by_hand():
+    """12 items of 1 s, each unlocking 1 s of compute, 1 s of local compute, 4 stages. Scale 1 cuts
+    1, 1, 1 and the last stage takes 9: 1 + 1 + 1 + 9 + 9 = 21 s. Scale 4 cuts 4 and 8: 4 + 8 + 8 = 20 s."""
+    from blockattn.planner.stages import _cut_items
+
+    cum_time = np.arange(13.0)
+    done_sorted, cum_done = np.arange(12), np.arange(13.0)
+    one = _cut_items(0, 12, 1.0, 1.0, 4, cum_time, done_sorted, cum_done)
+    four = _cut_items(0, 12, 1.0, 4.0, 4, cum_time, done_sorted, cum_done)
+    assert one == (21.0, [(0, 1, 1), (1, 2, 2), (2, 3, 3), (3, 12, 4)])
+    assert four == (20.0, [(0, 4, 1), (4, 12, 2)])
+
+
+def test_several_budget_scales_give_each_rank_one_of_their_stagings():
+    """With several budget scales each rank keeps the cuts of one of them (its own best estimate):
+    its tiles' stages equal that scale's staging, and at least one rank here takes the larger one."""
+    from blockattn.planner.stages import assign_stages
+    from blockattn.planner.tiles import TileSet
+
+    spec = MaskSpec.documents(_long_tail_docs(5, 24_000))
+    topo = Topology(ranks_per_node=2)
+    cost_model = CostModel(topology=topo)
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    from blockattn.planner.fcp import fcp_home
+
+    home = fcp_home(tiles, 6, cost_model=cost_model, num_q_heads=32, head_dim=128)
+    rank = home[tiles.q]
+    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=32, head_dim=128)
+    args = dict(block_size=128, total_len=tiles.total_len, world_size=6, cost_model=cost_model, max_stages=4,
+                element_size=2, **HEADS)
+    single = {s: assign_stages(tiles.q, tiles.kv, flops, rank, home, budget_scale=s, **args) for s in (1.0, 4.0)}
+    both = assign_stages(tiles.q, tiles.kv, flops, rank, home, budget_scale=(1.0, 4.0), **args)
+    took = []
+    for r in range(6):
+        mine = rank == r
+        took.append([s for s, stage in single.items() if np.array_equal(both[mine], stage[mine])])
+        assert took[-1], r
+    assert any(4.0 in t and 1.0 not in t for t in took)
