@@ -30,6 +30,9 @@ def test_hot_rows_are_dealt_over_ranks_and_nodes_with_memory_balanced():
     tiles = _blockwise_tiles()
     hot = hot_rows(tiles)
     assert hot.tolist() == list(range(248, 256))
+    # a long document's last rows carry 10x the mean row's pairs, but read only the document's KV
+    docs = TileSet.from_block_mask(MaskSpec.documents([12000] + [300] * 200).block_mask(128))
+    assert hot_rows(docs).size == 0
     topo = Topology(ranks_per_node=2)
     home = dealt_home(tiles, 6, topology=topo)
     # rank 0 of each node, then rank 1 of each node, ...: consecutive hot rows on different nodes
