@@ -13,7 +13,9 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
      (compute and memory in proportion to each node's ranks; a document that fits a node stays
      whole, a heavier one is cut into as many contiguous parts as pay for the KV its cuts send over
      the inter-node links), then contiguous runs / FCP packing onto the ranks inside each node;
-   * "fcp" (planner/fcp.py) or "zigzag" (planner/baselines.py) placements;
+     "hierarchical" packs documents cut at the blocks they start in (``segments(documents=True)``);
+   * "fcp" (planner/fcp.py), "fcp-docs" (the same with documents cut at the blocks they start in)
+     or "zigzag" (planner/baselines.py) placements;
    * "dealt" (batches with hot rows, e.g. causal_blockwise's last block reading the whole
      sequence): the hot rows dealt round-robin over the ranks and nodes, the rest contiguous.
 2. Tile placement (compute, planner/balance.py): every tile starts on its q-block's home (reads
@@ -33,14 +35,15 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
 
 No initial placement dominates (measured over the benchmark batches: on one node "fcp" and
 "contiguous" reach the same time, fcp with 40-60% fewer bytes on Wikipedia batches, more on long
-documents; on several nodes each of the five candidates wins somewhere), so dcp plans them in turn
-and keeps the one with the lowest simulated forward + backward time, stopping early once a plan
-is within 5% of the lower bound. With more than two candidates they are first ranked on 2x-merged
-blocks and only the best two are planned at full resolution. On several nodes the two fastest
-candidates get relays and join a relay-aware "hierarchical" plan (``RELAY_AWARE_INITS``) as
-finalists; the two fastest finalists are refined (relay-aware rebalancing of their data placement,
-restaging with front-loaded transfers, with all ranks' items staged against receivers' and
-senders' compute alike, and with each rank's own best budget scale, each kept only where faster) and the faster result is kept. The plain zigzag
+documents; on several nodes each of the five candidates wins somewhere, and batches with hot rows
+add "dealt"), so dcp plans them in turn and keeps the one with the lowest simulated forward +
+backward time, stopping early once a plan is within 5% of the lower bound. With more than two
+candidates they are first ranked on 2x-merged blocks and only the best two are planned at full
+resolution. On several nodes the three fastest candidates get relays and join a relay-aware
+"hierarchical" plan (``RELAY_AWARE_INITS``) as finalists; the two fastest finalists are refined
+(relay-aware rebalancing of their data placement, restaging with front-loaded transfers, with all
+ranks' items staged against receivers' and senders' compute alike, and with each rank's own best
+budget scale, each kept only where faster) and the faster result is kept. The plain zigzag
 baseline ("zigzag-ring") is a candidate too, and the final plan is checked against both baselines
 at full resolution (skipped for a baseline ``BASELINE_MARGIN`` slower on the merged blocks), so
 dcp is never slower than them in the cost model. Batches with many tiles are planned on merged
@@ -63,7 +66,10 @@ CUT_SLACK = 0.03  # a run boundary may move by up to 3% of a run to find a cheap
 # Initial data placements tried, in order of how often each won in bench/bench_planner.py runs; the
 # first plan within GOOD_ENOUGH of the lower bound (fwd + bwd) is kept without trying the rest.
 SINGLE_NODE_INITS = ("fcp", "contiguous")
-MULTI_NODE_INITS = ("hierarchical", "hierarchical-fcp", "zigzag", "fcp", "zigzag-ring")
+# Several nodes: "zigzag" (the balanced zigzag placement) was dropped when "fcp-docs" came in: over the
+# benchmark cases it no longer won anywhere, and one candidate less keeps the relay finalists for the
+# others (fwd+bwd / bound on 16/8, 32/8, 16/4: 1.082 / 1.467 / 1.188 with it, 1.079 / 1.454 / 1.186 without).
+MULTI_NODE_INITS = ("hierarchical", "hierarchical-fcp", "fcp", "zigzag-ring", "fcp-docs")
 BASELINE_INITS = ("zigzag-ring", "zigzag-allgather")  # planner/baselines.py zigzag and allgather as they are
 GOOD_ENOUGH = 1.05
 BASELINE_MARGIN = 1.25  # a baseline this much slower on merged blocks is not re-planned at full resolution
@@ -76,7 +82,10 @@ SELECT_MIN_TILES = 2048
 SELECT_MIN_BLOCKS_PER_RANK = 32
 SELECT_KEEP = 2
 REFINE_TOP = 2  # finalists refined (relay-aware rebalancing, restaging) before the fastest is kept
-RELAY_TOP = 2  # relays are weighed for this many of the fastest candidates (their scoring is costly)
+# Relays are weighed for this many of the fastest candidates (their scoring is costly): a candidate's
+# time before relays ranks it poorly for after (fcp 3rd before, fastest after on a 16/8 batch), and 2
+# lost such cases once "fcp-docs" joined the candidates.
+RELAY_TOP = 3
 MIN_COARSE_BLOCKS_PER_RANK = 32
 # Several nodes: the refined finalists are also staged with the budget rule of planner/stages.py
 # doubled (transfers front-loaded) and the faster staging is kept. Neither wins everywhere (doubled for every
@@ -166,10 +175,14 @@ def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel,
         return contiguous_cut_home(tiles, world_size)
     from .fcp import fcp_home
 
+    # Documents not aligned to blocks: with the tile-count segments a long-tail batch is one segment,
+    # spread over every node in small pieces. Cut at the blocks documents start in, a document stays
+    # on as few nodes as its compute needs (1M tokens / 64 ranks: 2.50 -> 2.18x the bound). The
+    # "hierarchical-fcp" candidate keeps the tile-count segments: with them it won more cases.
     node_ranks = np.bincount(np.arange(world_size) // rpn)
     node = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
                     bin_ranks=node_ranks, kv_bytes=kv_bytes if inner == "fcp" else None,
-                    contiguous_parts=inner == "fcp")
+                    contiguous_parts=inner == "fcp", documents=inner == "contiguous")
     home = np.empty(tiles.num_blocks, dtype=np.int64)
     local = np.full(tiles.num_blocks, -1, dtype=np.int64)
     if inner == "fcp":
@@ -191,8 +204,9 @@ def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel,
 def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
         head_dim: int, element_size: int, max_stages: int, init: str | None = None, **_) -> Placement:
     """DCP placement (see module docstring). ``init`` forces one initial data placement
-    ("contiguous", "hierarchical", "zigzag", "fcp"); by default the candidates of SINGLE_NODE_INITS /
-    MULTI_NODE_INITS are planned in turn and the fastest (simulated fwd + bwd time) is kept."""
+    ("contiguous", "hierarchical", "hierarchical-fcp", "zigzag", "fcp", "fcp-docs", "dealt"); by default
+    the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in turn and the fastest (simulated
+    fwd + bwd time) is kept."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size)
     result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
     one_node = world_size <= cost_model.topology.ranks_per_node
@@ -354,12 +368,13 @@ def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostMo
         return zigzag_home(tiles.num_blocks, world_size)
     if init == "dealt":
         return dealt_home(tiles, world_size, topology=cost_model.topology)
-    if init == "fcp":
+    if init in ("fcp", "fcp-docs"):
         from .fcp import fcp_home
 
-        return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
-    raise ValueError(f"unknown dcp init {init!r}; choose contiguous, hierarchical, hierarchical-fcp, zigzag, fcp "
-                     "or dealt")
+        return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
+                        documents=init == "fcp-docs")
+    raise ValueError(f"unknown dcp init {init!r}; choose contiguous, hierarchical, hierarchical-fcp, zigzag, fcp, "
+                     "fcp-docs or dealt")
 
 
 def _scored(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, sizes: dict) -> Placement:

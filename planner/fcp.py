@@ -5,7 +5,8 @@ Notation (docs/design.md): nB blocks, P ranks, tile (qb, kb); M = mean per-rank 
 
 1. Segments: the block sequence is cut wherever at most ``SEGMENT_CUT`` tiles cross a boundary -
    packed documents (and groups of short documents sharing blocks) become independent segments,
-   each with a token count and a compute weight (FLOPs of the tiles of its q-blocks).
+   each with a token count and a compute weight (FLOPs of the tiles of its q-blocks). With
+   ``documents`` a document that starts inside a block is cut from what precedes it too.
 2. Pieces: a segment heavier than one rank's share of compute (or longer than its memory) gets a
    group of k ranks, k = what its compute and length need (any size, not a power of two) - FCP's
    flexible groups. It is cut into 2k chunks and chunk i is paired with chunk 2k-1-i (zigzag
@@ -48,9 +49,17 @@ PAIR_SLACK = 0.1  # zigzag pairs are used when the heaviest is within 10% of the
 SPLIT_SLACK = 0.1  # a segment up to 10% heavier than a rank's share stays on one rank (the balancer trims it)
 
 
-def segments(tiles: TileSet) -> np.ndarray:
-    """int64 [n_seg + 1] block boundaries of the independent segments."""
+def segments(tiles: TileSet, documents: bool = False) -> np.ndarray:
+    """int64 [n_seg + 1] block boundaries of the independent segments.
+
+    ``documents``: also cut after a block that a document merely starts in. Its later rows all read
+    that block (partial tiles: only the document's few tokens there), so the tile count sees a long
+    run of crossings and, with no document boundary on a block boundary, one segment for the whole
+    batch; these partial tiles into the block just before a boundary are not counted there."""
     crossing = tiles.crossing_counts()
+    if documents:
+        shared = (tiles.kv < tiles.q) & ~tiles.full
+        crossing = crossing - np.bincount(tiles.kv[shared] + 1, minlength=tiles.num_blocks + 1)[: tiles.num_blocks + 1]
     cuts = np.flatnonzero(crossing[1:-1] <= SEGMENT_CUT) + 1
     return np.r_[0, cuts, tiles.num_blocks].astype(np.int64)
 
@@ -71,14 +80,15 @@ def kv_read_across(tiles: TileSet, kv_bytes: np.ndarray) -> np.ndarray:
 
 def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, head_dim: int,
              bin_ranks: np.ndarray | None = None, kv_bytes: np.ndarray | None = None,
-             contiguous_parts: bool = False) -> np.ndarray:
+             contiguous_parts: bool = False, documents: bool = False) -> np.ndarray:
     """Bin of every block (see module docstring, steps 1-3). Bins are ranks by default; with
     ``bin_ranks`` (ranks per bin, e.g. per node) bin i gets memory and compute in proportion, and
     with ``kv_bytes`` (each block's KV payload) a segment heavier than a bin's compute share is
     spread over only as many bins as pays for the KV its cuts send over the inter-node links, in
     contiguous parts; ``contiguous_parts`` cuts segments longer than a bin's memory that way too
     (else into plain pieces, which pack more flexibly: better for causal_blockwise, worse for
-    shared_question batches over the benchmark cases, so the dcp candidates use both)."""
+    shared_question batches over the benchmark cases, so the dcp candidates use both). ``documents``:
+    segments cut after the blocks documents start in (``segments``)."""
     nB = tiles.num_blocks
     weight = np.ones(world_size) if bin_ranks is None else np.asarray(bin_ranks, dtype=np.float64)
     P = weight.size
@@ -91,7 +101,7 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     cap = (per_rank * weight).astype(np.int64)
     piece = max(1, per_rank // PIECES_PER_RANK)
     node = cost_model.topology.node_of(np.arange(P)) if bin_ranks is None else np.arange(P)
-    bounds = segments(tiles)
+    bounds = segments(tiles, documents)
     mean = prefix[-1] / weight.sum()
     bin_w = float(weight.max())  # a bin's share: bin_w ranks' worth of compute and memory
 

@@ -455,3 +455,41 @@ def test_several_budget_scales_give_each_rank_one_of_their_stagings():
         took.append([s for s, stage in single.items() if np.array_equal(both[mine], stage[mine])])
         assert took[-1], r
     assert any(4.0 in t and 1.0 not in t for t in took)
+
+
+def test_document_segments_cut_after_a_shared_block():
+    """Documents of 300, 500 and 200 tokens in blocks of 128: block 2 holds the end of the first and the
+    start of the second, whose every row reads it (4 partial tiles across boundary 3), so the tile
+    count keeps the two together; ``documents=True`` discounts the partial tiles into the block just
+    before a boundary and cuts there too. Block-aligned documents cut the same either way."""
+    from blockattn.planner.fcp import segments
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.documents([300, 500, 200]).block_mask(128))
+    assert segments(tiles).tolist() == [0, 1, 2, 7, 8]
+    assert segments(tiles, documents=True).tolist() == [0, 1, 2, 3, 7, 8]
+    aligned = TileSet.from_block_mask(MaskSpec.documents([256, 384]).block_mask(128))
+    assert segments(aligned).tolist() == segments(aligned, documents=True).tolist()
+
+
+def test_document_segments_keep_a_short_document_on_one_node():
+    """Three documents of 22K, 52K and 56K tokens over 4 nodes: the tile-count segments see one segment
+    (no boundary is block-aligned), whose pieces go to every node; the document segments keep the 22K
+    document on one node and the 56K one on three."""
+    from blockattn.planner.fcp import fcp_home
+    from blockattn.planner.tiles import TileSet
+
+    lens = [22497, 52080, 56495]
+    tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(128))
+    cm = CostModel(topology=Topology(ranks_per_node=8))
+    ends = np.cumsum(lens)
+    first, last = np.r_[0, ends[:-1]] // 128, (ends - 1) // 128 + 1
+
+    def nodes_per_document(documents):
+        node = fcp_home(tiles, 32, cost_model=cm, num_q_heads=32, head_dim=128, bin_ranks=np.full(4, 8),
+                        documents=documents)
+        assert np.bincount(node).tolist() == [256] * 4  # memory: a quarter of the blocks per node
+        return [len(set(node[a:b].tolist())) for a, b in zip(first, last)]
+
+    assert nodes_per_document(False) == [4, 4, 4]
+    assert nodes_per_document(True) == [1, 4, 3]
