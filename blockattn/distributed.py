@@ -542,7 +542,7 @@ def distributed_block_attention(q, k, v, mask_spec, plan, *, softmax_scale=None,
     under TRITON_INTERPRET=1). `comm_method`: "p2p" (batch_isend_irecv) or "a2a" (all_to_all_single).
     """
     group = group if group is not None else comms.get_group()
-    size, me = dist.get_world_size(group), dist.get_rank(group)
+    me = dist.get_rank(group)  # (the group's size is checked against the plan by check_plan_agreement)
     if me < 0:
         raise ValueError(f"global rank {dist.get_rank()} is not a member of the given group; call "
                          "distributed_block_attention only on the group's ranks")

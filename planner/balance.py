@@ -186,7 +186,7 @@ class Balancer:
         return True
 
     def _apply(self, idx: np.ndarray, r: int, t: int) -> None:
-        q, kv = self.t.q[idx], self.t.kv[idx]
+        kv = self.t.kv[idx]
         self.C[r] -= self.c[idx].sum()
         self.C[t] += self.c[idx].sum()
         self.rank[idx] = t

@@ -108,7 +108,6 @@ RELAY_AWARE_INITS = ("hierarchical",)
 # "dealt" candidate (``dealt_home``). On the benchmark's document masks it never won, hence the span.
 HOT_ROW = 3.0
 HOT_SPAN = 0.25
-_HOME_OF_PLACEMENT = "given"  # _place's init when it starts from a given block_home
 
 
 def contiguous_cut_home(tiles: TileSet, world_size: int) -> np.ndarray:
@@ -293,7 +292,7 @@ def _relay_balanced(tiles: TileSet, placement: Placement, world_size: int, cost_
     the target's node as an NVLink transfer (the relay add_relays then sets up), if that simulates
     faster. The per-rank NIC view wins some batches and loses the others, and keeping the faster of
     the two never loses."""
-    alt, _ = _place(tiles, world_size, _HOME_OF_PLACEMENT, cost_model, max_stages, sizes,
+    alt, _ = _place(tiles, world_size, None, cost_model, max_stages, sizes,
                     home=placement.block_home, relay_aware=True)
     return alt if alt.sim_time < placement.sim_time else placement
 
@@ -387,11 +386,11 @@ def _scored(tiles: TileSet, placement: Placement, world_size: int, cost_model: C
                             spread_forward=False)
 
 
-def _place(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, max_stages: int,
+def _place(tiles: TileSet, world_size: int, init: str | None, cost_model: CostModel, max_stages: int,
            sizes: dict, *, relays: bool = True, home: np.ndarray | None = None,
            relay_aware: bool = False) -> tuple[Placement, float]:
-    """One dcp placement from the given initial data placement (``init``, or ``home`` itself), and its
-    simulated fwd + bwd time (with node-level KV relays where they pay, unless ``relays`` is False).
+    """One dcp placement from an initial data placement (``init``, or with init None the given ``home``
+    itself), and its simulated fwd + bwd time (with node-level KV relays where they pay, unless ``relays`` is False).
     ``relay_aware``: the balancer prices KV already on a target's node as NVLink traffic."""
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
     if init in BASELINE_INITS:  # a baseline itself, so dcp is never slower
@@ -402,8 +401,10 @@ def _place(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, ma
         placement = finish_placement(tiles, home, rank, base.tile_stage, world_size=world_size, cost_model=cost_model,
                                      sizes=sizes, max_stages=max_stages)
     else:
-        if home is None:
+        if init is not None:
             home = _initial_home(tiles, world_size, init, cost_model, sizes)
+        elif home is None:
+            raise ValueError("_place needs an init name or a home")
         # dealt hot rows start on their kv-homes where that moves fewer bytes (from every other start
         # this was worse as often as better over the benchmark cases)
         start = pushed_rows(tiles, home, **sizes) if init == "dealt" else None

@@ -301,10 +301,10 @@ class _Scorer:
                                    weights=self.compute_time[moved], minlength=size).reshape(compute.shape)
             stage = stage.copy()
             stage[moved] = new
+            # (the groups' last stages are not needed: the backward rows follow the backward groups)
             r, b, first, last = kv_groups
-            first, last = first.copy(), last.copy()
+            first = first.copy()
             first[cand.group[delay]] = to
-            last[cand.group[delay]] = np.maximum(last[cand.group[delay]], to)
             if self.remote_q[moved].any():  # some moved tile reads a remote q-block: its group may change
                 rq = self.remote_q
                 q_groups = receive_groups(self.rank[rq], t.q[rq], stage[rq], nB)
@@ -314,7 +314,7 @@ class _Scorer:
             remap = np.cumsum(used)
             num_stages = int(remap[-1]) + 1
             if not np.array_equal(remap[1:num_stages], np.arange(1, num_stages)):
-                stage, first, last = remap[stage], remap[first], remap[last]
+                stage, first = remap[stage], remap[first]
                 q_groups = (q_groups[0], q_groups[1], remap[q_groups[2]], remap[q_groups[3]])
                 merged = np.zeros((self.P, num_stages + 1))
                 np.add.at(merged.T, remap, compute.T)  # columns of stages that collapse onto one

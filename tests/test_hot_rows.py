@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockattn.masks import MaskSpec
-from blockattn.planner import CostModel, Topology, make_plan
+from blockattn.planner import Topology, make_plan
 from blockattn.planner.balance import Balancer, pushed_rows
 from blockattn.planner.dcp import dealt_home, hot_rows
 from blockattn.planner.placement import balanced_bounds

@@ -351,7 +351,7 @@ def test_relay_aware_rebalancing_only_replaces_a_slower_plan(mask):
     sizes = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, element_size=2)
     base, _ = dcp_module._place(tiles, 6, "zigzag", cm, 4, sizes)
     refined = dcp_module._relay_balanced(tiles, base, 6, cm, 4, sizes)
-    aware, aware_time = dcp_module._place(tiles, 6, "given", cm, 4, sizes, home=base.block_home, relay_aware=True)
+    aware, aware_time = dcp_module._place(tiles, 6, None, cm, 4, sizes, home=base.block_home, relay_aware=True)
     assert refined.sim_time == min(base.sim_time, aware_time)
     assert np.array_equal(refined.block_home, base.block_home)
 
