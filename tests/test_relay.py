@@ -43,9 +43,10 @@ def _build(spec, tiles, placement, world_size, topology, strategy="dcp+relay"):
     return plan
 
 
-def dcp_placement_without_relays(tiles, world_size, cost_model, sizes, max_stages=4) -> Placement:
+def dcp_placement_without_relays(tiles, world_size, cost_model, sizes, max_stages=4, init=None) -> Placement:
     """dcp's own balanced placement before any relay (make_plan adds relays itself, and on small
-    batches may return a baseline placement instead), so tests can relay it themselves."""
+    batches may return a baseline placement instead), so tests can relay it themselves; ``init``
+    forces dcp's initial data placement."""
     from blockattn.planner import dcp as dcp_module
 
     # the refinements after the candidates (relay-aware rebalancing, restaging) re-add relays: off too
@@ -56,7 +57,7 @@ def dcp_placement_without_relays(tiles, world_size, cost_model, sizes, max_stage
     for name, stub in patched.items():
         setattr(dcp_module, name, stub)
     try:
-        own = dcp_module._dcp(tiles, world_size, cost_model, max_stages, sizes, None)
+        own = dcp_module._dcp(tiles, world_size, cost_model, max_stages, sizes, init)
     finally:
         for name, original in saved.items():
             setattr(dcp_module, name, original)
