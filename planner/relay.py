@@ -21,6 +21,15 @@ NIC (``inter_bw``, 9x slower than NVLink in the cost model). With a relay it sen
 * Backward (derived by planner/schedule.py from the same table): relayed receivers send their dK/dV
   partial of b to p, which adds it to its own and sends one sum home.
 
+* Transit relays (``add_transit``, on dcp's final plan): a block that only one rank of a node reads
+  still crossed that rank's own NIC, so a rank holding a long document's end on a node of its own
+  pulled the document's KV alone. A *transit* rank t of the same node that computes nothing with b
+  (rotating with b) receives it one stage before the reader needs it and forwards it over NVLink,
+  so the node's NICs share the load (``transit_relays``; the schedule derives t's receive,
+  planner/schedule.py ``_transit_rows``). The reader's dK/dV partial goes home directly (t holds no
+  partial to add it to). Kept where the cost model says so (fwd+bwd / bound over the benchmark
+  cases: 32 ranks / 8 per node 1.454 -> 1.434, the best case 1.82 -> 1.65).
+
 Which receivers delay is the cost model's call. Candidates: the input, relays without delays, relays
 with every possible delay, and a per-rank mix (a rank delays only if its own simulated fwd and bwd
 times stay within the slowest rank of the no-delay candidate, so no rank becomes a new straggler).
@@ -36,8 +45,8 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages
-from .stages import (backward_stages, backward_time, choose_backward_staging, local_tiles_by_rank,
-                     spread_backward_local)
+from .stages import (backward_stages, backward_time, choose_backward_staging, finish_placement,
+                     local_tiles_by_rank, spread_backward_local)
 from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, receive_groups,
                        row_bytes, schedule_rows)
 from .tiles import TileSet
@@ -58,6 +67,57 @@ def add_relays(tiles: TileSet, placement: Placement, *, world_size: int, cost_mo
     if best is None or best.time >= base_time:
         return placement
     return best.placement(placement.block_home, placement.tile_rank, world_size)
+
+
+def add_transit(tiles: TileSet, placement: Placement, *, world_size: int, cost_model: CostModel,
+                sizes: dict) -> Placement:
+    """``placement`` (scored: ``sim_time`` set) with transit relays for every KV block that still crosses
+    into a node for a rank alone (``transit_relays``), if that simulates faster; else the input."""
+    rpn = cost_model.topology.ranks_per_node
+    if world_size <= rpn or tiles.num_tiles == 0 or placement.sim_time is None:
+        return placement
+    home = np.asarray(placement.block_home, dtype=np.int64)
+    rank = np.asarray(placement.tile_rank, dtype=np.int64)
+    stage, _ = compact_stages(placement.tile_stage)
+    remote = home[tiles.kv] != rank
+    groups = receive_groups(rank[remote], tiles.kv[remote], stage[remote], tiles.num_blocks)
+    relay = as_relay_table(placement.kv_relay)
+    transit = transit_relays(home, groups, relay, ranks_per_node=rpn, world_size=world_size)
+    if transit.size == 0:
+        return placement
+    table = np.concatenate([relay, transit])
+    alt = finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes,
+                           kv_relay=table[np.lexsort((table[:, 1], table[:, 0]))], spread_forward=False)
+    return alt if alt.sim_time < placement.sim_time else placement
+
+
+def transit_relays(home: np.ndarray, kv_groups, relay: np.ndarray, *, ranks_per_node: int,
+                   world_size: int) -> np.ndarray:
+    """int64 [m, 3] (block, dst, t) relays through *transit* ranks, sorted by (block, dst): every receive
+    group (``receive_groups``) that still gets its KV block from the home on another node (no row in
+    ``relay``), first needing it in stage >= 2, gets it from a rank t of its own node that computes no
+    tile of the block - from (b mod n) on, so a node's blocks spread over its ranks - which receives it
+    one stage earlier (planner/schedule.py ``_transit_rows``)."""
+    r, b, first, _ = kv_groups
+    nB = home.size
+    relayed = np.zeros(world_size * nB, dtype=bool)
+    relayed[relay[:, 1] * nB + relay[:, 0]] = True
+    reads = np.zeros(world_size * nB, dtype=bool)
+    reads[r * nB + b] = True
+    node = r // ranks_per_node
+    idx = np.flatnonzero((node != home[b] // ranks_per_node) & (first >= 2) & ~relayed[r * nB + b])
+    if idx.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    start = node[idx] * ranks_per_node
+    size = np.minimum(ranks_per_node, world_size - start)
+    t = np.full(idx.size, -1, dtype=np.int64)
+    for j in range(ranks_per_node):  # the first rank from (b mod n) on that neither reads b nor is r
+        cand = start + (b[idx] + j) % size
+        ok = (t < 0) & (cand != r[idx]) & ~reads[cand * nB + b[idx]]
+        t[ok] = cand[ok]
+    keep = t >= 0
+    rows = np.stack([b[idx][keep], r[idx][keep], t[keep]], axis=1)
+    return rows[np.lexsort((rows[:, 1], rows[:, 0]))]
 
 
 def relay_variants(tiles: TileSet, placement: Placement, *, world_size: int, cost_model: CostModel,

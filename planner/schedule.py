@@ -13,6 +13,8 @@ Rules (the executor and ``Plan.stats()`` both follow exactly these rows):
   that needs it. Q always comes from the block's home; KV comes from the home unless the plan's
   relay table ``kv_relay`` (rows ``(block, dst, src)``, planner/relay.py) names another source,
   which must hold the block strictly before that stage (home, or received in an earlier stage).
+  A *transit* source (one that computes no tile of the block) receives it from the home one stage
+  before the earliest of its relay rows needs it: a KV row no tile asks for.
 * OUT: one partial (out, lse) per remote q-block the rank computed tiles of, sent to the home at
   ``last compute stage + 1`` (may equal ``num_stages``).
 * Backward stages: the backward runs the same S stages, but each tile has its own backward stage
@@ -22,8 +24,8 @@ Rules (the executor and ``Plan.stats()`` both follow exactly these rows):
   (never stage 0).
 * DQ / DKV (backward): fp32 partial gradients of remote q-blocks / kv-blocks back to the home at
   ``last backward stage + 1``. Q/KV received in the forward are kept, never re-fetched.
-* DKV reduce tree (mirror of a relay): a rank that got KV b from a *proxy* p (p got b from the home)
-  sends its dK/dV partial to p instead, at ``last + 1``, when that leaves p room to forward the sum:
+* DKV reduce tree (mirror of a relay): a rank that got KV b from a *proxy* p (a rank with tiles of b
+  that got it from the home or from a transit source) sends its dK/dV partial to p instead, at ``last + 1``, when that leaves p room to forward the sum:
   p sends to the home at ``max(last_p + 1, max over such children (last_child + 2))`` <= num_stages.
   A child whose ``last + 2`` exceeds num_stages (or whose source is not a proxy) sends home.
 """
@@ -239,10 +241,36 @@ def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num
     relay = as_relay_table(kv_relay)
     r, b, first, _ = kv_groups
     kv_in = _rows(first, _kv_sources(home, r, b, relay, num_blocks), r, KIND_KV, b)
+    kv_in = np.concatenate([kv_in, _transit_rows(home, r, b, first, relay, num_blocks)])
     r, b, _, last = kv_bwd
     dkv_dst, dkv_stage = _dkv_routes(home, r, b, last, relay, num_blocks, num_stages)
     d_kv = _rows(dkv_stage, r, dkv_dst, KIND_DKV, b)
     return np.concatenate([q_in, kv_in, out]), np.concatenate([d_out, d_q, d_kv])
+
+
+def _transit_rows(home, r, b, first, relay, num_blocks: int) -> np.ndarray:
+    """KV rows into *transit* relay sources: a relay row ``(block, dst, src)`` whose src computes no tile
+    of the block (no receive group) gets it from the home one stage before the earliest of its dsts
+    needs it, so that it holds it strictly before forwarding it (a node's NICs share the inbound KV
+    of a block only one of its ranks reads). Rows naming the home or a dst without a receive group
+    are left to check_plan, which rejects them."""
+    group_key = r * num_blocks + b
+    if relay.shape[0] == 0 or group_key.size == 0:
+        return np.zeros((0, 5), dtype=np.int64)
+    last = group_key.size - 1
+    src_key = relay[:, 2] * num_blocks + relay[:, 0]
+    dst_key = relay[:, 1] * num_blocks + relay[:, 0]
+    dst_pos = np.minimum(np.searchsorted(group_key, dst_key), last)
+    transit = ((group_key[np.minimum(np.searchsorted(group_key, src_key), last)] != src_key)
+               & (relay[:, 2] != home[relay[:, 0]]) & (group_key[dst_pos] == dst_key))
+    if not transit.any():
+        return np.zeros((0, 5), dtype=np.int64)
+    rows, need, key = relay[transit], first[dst_pos[transit]], src_key[transit]
+    order = np.lexsort((need, key))  # per (src, block): the earliest need first
+    key, need, rows = key[order], need[order], rows[order]
+    head = np.r_[True, key[1:] != key[:-1]]
+    rows, need = rows[head], need[head]
+    return _rows(need - 1, home[rows[:, 0]], rows[:, 2], KIND_KV, rows[:, 0])
 
 
 def _kv_sources(home, r, b, relay, num_blocks: int) -> np.ndarray:
@@ -277,7 +305,12 @@ def _dkv_routes(home, r, b, last, relay, num_blocks: int, num_stages: int) -> tu
     parent_key = src[child] * num_blocks + b[child]
     ppos = np.minimum(np.searchsorted(group_key, parent_key), group_key.size - 1)
     ok = (group_key[ppos] == parent_key) & (last[child] + 2 <= num_stages)
-    ok[ok] = src[ppos[ok]] == home[b[child[ok]]]  # one hop: the parent must be a proxy
+    # one hop: the parent must send its own partial home, i.e. have got the block from the home or from
+    # a transit rank (which computes nothing with it, so sends no partial)
+    parent_src = src[ppos[ok]]
+    via_key = parent_src * num_blocks + b[child[ok]]
+    via = np.minimum(np.searchsorted(group_key, via_key), group_key.size - 1)
+    ok[ok] = (parent_src == home[b[child[ok]]]) | (group_key[via] != via_key)
     child, ppos = child[ok], ppos[ok]
     dkv_dst[child] = src[child]
     np.maximum.at(dkv_stage, ppos, last[child] + 2)
@@ -337,7 +370,13 @@ def check_plan(plan) -> None:
         if np.any(t[:, 1] == t[:, 2]):
             fail(f"{name} transfer from a rank to itself")
     incoming = np.isin(fwd[:, 3], (KIND_Q, KIND_KV))
-    if np.any(fwd[incoming, 0] == 0):
+    early = incoming & (fwd[:, 0] == 0)
+    if np.any(early):
+        s, src, dst, kind, b = fwd[np.flatnonzero(early)[0]].tolist()
+        reads = (rank == dst) & ((kv if kind == KIND_KV else q) == b)
+        if kind == KIND_KV and not reads.any():
+            fail(f"rank {dst} is a transit source of KV block {b} (it computes no tile of it) but a rank it "
+                 f"relays the block to needs it in stage 1: there is no earlier stage to bring it in")
         fail("a forward input transfer in stage 0")
     if np.any((fwd[:, 3] == KIND_Q) & (fwd[:, 1] != home[fwd[:, 4]])):
         fail("a Q transfer does not come from the block's home (only KV may be relayed)")

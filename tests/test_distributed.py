@@ -146,6 +146,40 @@ def relay_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_d
     return base, plan
 
 
+def transit_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_dim, dtype, block_size):
+    """dcp's balancing of a "hierarchical" placement with every KV block that crosses to a node for one
+    reader relayed through a transit rank of that node (planner/relay.py transit_relays), and the
+    number of transit receives (KV rows into a rank that computes no tile of the block)."""
+    import numpy as np
+
+    from test_relay import dcp_placement_without_relays
+
+    from blockattn.planner import CostModel, Topology, check_plan
+    from blockattn.planner.api import build_plan
+    from blockattn.planner.placement import Placement, compact_stages
+    from blockattn.planner.relay import transit_relays
+    from blockattn.planner.schedule import receive_groups
+    from blockattn.planner.tiles import TileSet
+
+    kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    sizes = dict(kw, element_size=torch.empty((), dtype=dtype).element_size())
+    cost_model = CostModel(topology=Topology(ranks_per_node=ranks_per_node, inter_bw=2e9))
+    tiles = TileSet.from_block_mask(spec.block_mask(block_size))
+    own = dcp_placement_without_relays(tiles, world, cost_model, sizes, init="hierarchical")
+    home, rank = own.block_home, own.tile_rank
+    stage, _ = compact_stages(own.tile_stage)
+    remote = home[tiles.kv] != rank
+    groups = receive_groups(rank[remote], tiles.kv[remote], stage[remote], tiles.num_blocks)
+    relay = transit_relays(home, groups, np.zeros((0, 3), np.int64), ranks_per_node=ranks_per_node, world_size=world)
+    plan = build_plan(tiles, Placement(home, rank, stage, kv_relay=relay), strategy="dcp+transit", world_size=world,
+                      dtype=dtype, mask_signature=spec.signature(), cost_model=cost_model, **kw)
+    check_plan(plan)
+    fwd = plan.schedule.fwd.numpy().astype(np.int64)
+    reads = set(zip(rank.tolist(), tiles.kv.tolist()))
+    transit = sum((int(d), int(b)) not in reads for _, _, d, k, b in fwd.tolist() if k == 1)
+    return plan, transit
+
+
 def run_case(rank, world, spec, *, strategy="dcp", Hq=4, Hkv=2, D=16, dtype=torch.float32, block_size=16,
              backend="torch", comm_method="p2p", lse_grad=False, seed=0, plan=None):
     """Run one plan fwd+bwd on this rank and check it; returns this rank's output rows.
@@ -276,6 +310,12 @@ def _relays_world6(rank, world):
         delayed += int((plan.tile_stage != base.tile_stage).sum())
         run_case(rank, world, spec, plan=plan, strategy=plan.strategy, **kw)
     assert relayed and trees and delayed, f"relay cases ran no relay ({relayed}), tree ({trees}) or delay ({delayed})"
+    # transit relays: KV received by a rank that computes nothing with it, only to forward it
+    spec = MaskSpec.causal_blockwise(205, block=32, k_local=2)
+    plan, transit = transit_plan(spec, world, ranks_per_node=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                 dtype=torch.float32, block_size=16)
+    assert transit > 0, "the transit case has no transit receive"
+    run_case(rank, world, spec, plan=plan, strategy=plan.strategy)
 
 
 def _errors_world3(rank, world):

@@ -306,8 +306,9 @@ def test_check_plan_rejects_relaying_before_receiving():
     _, plan = hand_relay_plan(relay=((1, 3, 2),))  # rank 2 receives block 1 in stage 1 = rank 3's need
     with pytest.raises(PlanConsistencyError, match="relays KV block 1 in stage 1 but holds it only from stage 1"):
         check_plan(plan)
-    _, plan = hand_relay_plan(relay=((1, 3, 0),))  # rank 0 never holds block 1
-    with pytest.raises(PlanConsistencyError, match="relays KV block 1 in stage 1 but holds it never"):
+    # rank 0 computes nothing with block 1: a transit source, which would have to receive it in stage 0
+    _, plan = hand_relay_plan(relay=((1, 3, 0),))
+    with pytest.raises(PlanConsistencyError, match="rank 0 is a transit source of KV block 1"):
         check_plan(plan)
     _, plan = hand_relay_plan(relay=((0, 3, 0),))
     with pytest.raises(PlanConsistencyError, match="source other than the home"):
@@ -341,3 +342,64 @@ def test_check_plan_rejects_dkv_cycles_wrong_order_and_q_relays():
                          bwd=plan.schedule.bwd, num_stages=plan.num_stages, world_size=plan.world_size)
     with pytest.raises(PlanConsistencyError, match="Q transfer does not come from the block's home"):
         check_plan(dataclasses.replace(plan, schedule=sched))
+
+
+def _reads_block_zero_from_ranks_1_and_3(q, k):
+    return (k // 16 == q // 16) | (((q // 16 == 1) | (q // 16 == 3)) & (k // 16 == 0))
+
+
+def test_hand_made_transit_relay():
+    """4 ranks on 2 nodes ({0, 1}, {2, 3}), block i at home i, diagonal tiles plus (1, 0) in stage 1 and
+    (3, 0) in stage 2: only rank 3 of its node reads block 0. Relayed through rank 2, which computes
+    nothing with it (a transit source), block 0 enters node 1 through rank 2's NIC in stage 1 and
+    reaches rank 3 over NVLink in stage 2; rank 3's dK/dV partial goes home directly."""
+    from blockattn.planner.relay import transit_relays
+    from blockattn.planner.schedule import KIND_DKV, receive_groups
+
+    spec = MaskSpec.from_mask_mod(_reads_block_zero_from_ranks_1_and_3, 64)
+    tiles = TileSet.from_block_mask(spec.block_mask(16))
+    home = np.arange(4)
+    rank = home[tiles.q]
+    stage = np.where(tiles.q == tiles.kv, 0, np.where(tiles.q == 1, 1, 2))
+    remote = home[tiles.kv] != rank
+    groups = receive_groups(rank[remote], tiles.kv[remote], stage[remote], 4)
+    relay = transit_relays(home, groups, np.zeros((0, 3), np.int64), ranks_per_node=2, world_size=4)
+    assert relay.tolist() == [[0, 3, 2]]  # block 0 rotates to rank 0 of node 1 (rank 2), which reads nothing
+    placement = Placement(home, rank, stage, kv_relay=relay, tile_stage_bwd=stage)
+    plan = build_plan(tiles, placement, strategy="hand-transit", world_size=4, dtype=torch.float32,
+                      mask_signature=spec.signature(), cost_model=CostModel(Topology(ranks_per_node=2)), **HEADS)
+    check_plan(plan)
+    replay(plan)
+    fwd, bwd = plan.schedule.fwd.tolist(), plan.schedule.bwd.tolist()
+    assert fwd == [[1, 0, 1, KIND_KV, 0], [1, 0, 2, KIND_KV, 0], [2, 2, 3, KIND_KV, 0]]
+    assert bwd == [[2, 1, 0, KIND_DKV, 0], [3, 3, 0, KIND_DKV, 0]]
+    # needed in stage 1, nothing comes earlier: no transit, and a hand-made one is rejected
+    early = np.where(tiles.q == tiles.kv, 0, 1)  # (stages 0 and 1 only)
+    groups = receive_groups(rank[remote], tiles.kv[remote], early[remote], 4)
+    assert transit_relays(home, groups, np.zeros((0, 3), np.int64), ranks_per_node=2, world_size=4).size == 0
+    # and a block already relayed, or read on its home's node, gets no transit either
+    assert transit_relays(home, receive_groups(rank[remote], tiles.kv[remote], stage[remote], 4), relay,
+                          ranks_per_node=2, world_size=4).size == 0
+    assert transit_relays(home, groups, np.zeros((0, 3), np.int64), ranks_per_node=4, world_size=4).size == 0
+
+
+def test_dcp_keeps_transit_relays_where_they_are_faster(monkeypatch):
+    """Documents of 6000, 5000 and 800 tokens on 3 nodes of 2 ranks: dcp's plan relays KV through ranks
+    that compute nothing with it, and is faster for it (1.71 -> 1.58x the bound)."""
+    from blockattn.planner import dcp as dcp_module
+
+    spec = MaskSpec.documents([6000, 5000, 800])
+    topology = Topology(ranks_per_node=2)
+    kw = dict(block_size=128, topology=topology, num_q_heads=32, num_kv_heads=8, head_dim=128)
+    plan = make_plan(spec, 6, **kw)  # check_plan runs inside
+    fwd = plan.schedule.fwd.numpy().astype(np.int64)
+    reads = set(zip(plan.tile_rank.tolist(), plan.tile_kv.tolist()))
+    transit = [(d, b) for _, _, d, k, b in fwd.tolist() if k == KIND_KV and (d, b) not in reads]
+    assert transit and plan.stats()["kv_relays"] > 0
+    clear_plan_cache()
+    monkeypatch.setattr(dcp_module, "add_transit", lambda tiles, placement, **_: placement)
+    without = make_plan(spec, 6, **kw)
+    time = lambda p: p.stats()["sim_time_fwd"] + p.stats()["sim_time_bwd"]  # noqa: E731
+    assert time(plan) < 0.95 * time(without)
+    clear_plan_cache()
+
