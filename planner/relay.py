@@ -26,9 +26,9 @@ NIC (``inter_bw``, 9x slower than NVLink in the cost model). With a relay it sen
   pulled the document's KV alone. A *transit* rank t of the same node that computes nothing with b
   (rotating with b) receives it one stage before the reader needs it and forwards it over NVLink,
   so the node's NICs share the load (``transit_relays``; the schedule derives t's receive,
-  planner/schedule.py ``_transit_rows``). The reader's dK/dV partial goes home directly (t holds no
-  partial to add it to). Kept where the cost model says so (fwd+bwd / bound over the benchmark
-  cases: 32 ranks / 8 per node 1.454 -> 1.434, the best case 1.82 -> 1.65).
+  planner/schedule.py ``_transit_rows``); the reader's dK/dV partial goes back through t, which
+  forwards it home a stage later where the stages allow. Kept where the cost model says so (fwd+bwd
+  / bound over the benchmark cases: 32 ranks / 8 per node 1.454 -> 1.422, the best case 1.82 -> 1.45).
 
 Which receivers delay is the cost model's call. Candidates: the input, relays without delays, relays
 with every possible delay, and a per-rank mix (a rank delays only if its own simulated fwd and bwd

@@ -25,9 +25,12 @@ Rules (the executor and ``Plan.stats()`` both follow exactly these rows):
 * DQ / DKV (backward): fp32 partial gradients of remote q-blocks / kv-blocks back to the home at
   ``last backward stage + 1``. Q/KV received in the forward are kept, never re-fetched.
 * DKV reduce tree (mirror of a relay): a rank that got KV b from a *proxy* p (a rank with tiles of b
-  that got it from the home or from a transit source) sends its dK/dV partial to p instead, at ``last + 1``, when that leaves p room to forward the sum:
-  p sends to the home at ``max(last_p + 1, max over such children (last_child + 2))`` <= num_stages.
-  A child whose ``last + 2`` exceeds num_stages (or whose source is not a proxy) sends home.
+  that got it from the home or from a transit source) sends its dK/dV partial to p instead, at
+  ``last + 1``, when that leaves p room to forward the sum: p sends on at
+  ``max(last_p + 1, max over such children (last_child + 2))`` <= num_stages. A rank that got b from
+  a transit source t sends its partial (or its sum) through t, which has none of its own and
+  forwards it home one stage after the last arrival, when that is <= num_stages. Otherwise a child
+  sends home.
 """
 
 from __future__ import annotations
@@ -243,8 +246,8 @@ def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num
     kv_in = _rows(first, _kv_sources(home, r, b, relay, num_blocks), r, KIND_KV, b)
     kv_in = np.concatenate([kv_in, _transit_rows(home, r, b, first, relay, num_blocks)])
     r, b, _, last = kv_bwd
-    dkv_dst, dkv_stage = _dkv_routes(home, r, b, last, relay, num_blocks, num_stages)
-    d_kv = _rows(dkv_stage, r, dkv_dst, KIND_DKV, b)
+    dkv_dst, dkv_stage, transit_dkv = _dkv_routes(home, r, b, last, relay, num_blocks, num_stages)
+    d_kv = np.concatenate([_rows(dkv_stage, r, dkv_dst, KIND_DKV, b), transit_dkv])
     return np.concatenate([q_in, kv_in, out]), np.concatenate([d_out, d_q, d_kv])
 
 
@@ -291,30 +294,45 @@ def _kv_sources(home, r, b, relay, num_blocks: int) -> np.ndarray:
     return src
 
 
-def _dkv_routes(home, r, b, last, relay, num_blocks: int, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
-    """DKV destination and stage of every (rank r, kv-block b) receive group (``last``: its last
-    backward stage): home at ``last + 1``, or up a reduce tree. A child of a proxy (the proxy itself
-    got b from home) reduces into the proxy when the proxy can still forward the sum: the child's
-    partial arrives at last + 1, the proxy sends at >= last + 2 <= S."""
+def _dkv_routes(home, r, b, last, relay, num_blocks: int, num_stages: int) -> tuple:
+    """(DKV destination [n], stage [n], transit rows [m, 5]) of the (rank r, kv-block b) receive groups
+    (``last``: a group's last backward stage): home at ``last + 1``, or up a reduce tree.
+
+    A child of a proxy (a rank with tiles of b that got it from the home or from a transit rank)
+    reduces into the proxy when the proxy can still forward the sum: the child's partial arrives at
+    last + 1, the proxy sends at >= last + 2 <= S. A child of a transit rank t (no tiles of b, so no
+    partial of its own) sends through t when t can forward it one stage later (<= S): t's own row,
+    the transit row, leaves after its last child's, so the partials cross the NIC from t, not from
+    the reader."""
     src = _kv_sources(home, r, b, relay, num_blocks)
     dkv_dst, dkv_stage = home[b].copy(), last + 1
+    none = np.zeros((0, 5), dtype=np.int64)
     child = np.flatnonzero(src != home[b])
     if child.size == 0:
-        return dkv_dst, dkv_stage
+        return dkv_dst, dkv_stage, none
     group_key = r * num_blocks + b
     parent_key = src[child] * num_blocks + b[child]
     ppos = np.minimum(np.searchsorted(group_key, parent_key), group_key.size - 1)
-    ok = (group_key[ppos] == parent_key) & (last[child] + 2 <= num_stages)
-    # one hop: the parent must send its own partial home, i.e. have got the block from the home or from
-    # a transit rank (which computes nothing with it, so sends no partial)
+    is_proxy = group_key[ppos] == parent_key
+    ok = is_proxy & (last[child] + 2 <= num_stages)
+    # one hop: the parent must send its own partial on, i.e. have got the block from the home or from a
+    # transit rank
     parent_src = src[ppos[ok]]
     via_key = parent_src * num_blocks + b[child[ok]]
     via = np.minimum(np.searchsorted(group_key, via_key), group_key.size - 1)
     ok[ok] = (parent_src == home[b[child[ok]]]) | (group_key[via] != via_key)
-    child, ppos = child[ok], ppos[ok]
-    dkv_dst[child] = src[child]
-    np.maximum.at(dkv_stage, ppos, last[child] + 2)
-    return dkv_dst, dkv_stage
+    dkv_dst[child[ok]] = src[child[ok]]
+    np.maximum.at(dkv_stage, ppos[ok], last[child[ok]] + 2)
+    through = child[~is_proxy]  # children of transit ranks (their stage may have grown with their own children)
+    through = through[dkv_stage[through] + 1 <= num_stages]
+    if through.size == 0:
+        return dkv_dst, dkv_stage, none
+    dkv_dst[through] = src[through]
+    transit, of_child = np.unique(src[through] * num_blocks + b[through], return_inverse=True)
+    stage = np.zeros(transit.size, dtype=np.int64)
+    np.maximum.at(stage, of_child, dkv_stage[through] + 1)
+    block = transit % num_blocks
+    return dkv_dst, dkv_stage, _rows(stage, transit // num_blocks, home[block], KIND_DKV, block)
 
 
 def check_plan(plan) -> None:

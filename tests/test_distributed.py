@@ -149,7 +149,8 @@ def relay_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_d
 def transit_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_dim, dtype, block_size):
     """dcp's balancing of a "hierarchical" placement with every KV block that crosses to a node for one
     reader relayed through a transit rank of that node (planner/relay.py transit_relays), and the
-    number of transit receives (KV rows into a rank that computes no tile of the block)."""
+    numbers of transit receives (KV rows into a rank that computes no tile of the block) and of dK/dV
+    partials such a rank forwards home."""
     import numpy as np
 
     from test_relay import dcp_placement_without_relays
@@ -174,10 +175,10 @@ def transit_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head
     plan = build_plan(tiles, Placement(home, rank, stage, kv_relay=relay), strategy="dcp+transit", world_size=world,
                       dtype=dtype, mask_signature=spec.signature(), cost_model=cost_model, **kw)
     check_plan(plan)
-    fwd = plan.schedule.fwd.numpy().astype(np.int64)
     reads = set(zip(rank.tolist(), tiles.kv.tolist()))
-    transit = sum((int(d), int(b)) not in reads for _, _, d, k, b in fwd.tolist() if k == 1)
-    return plan, transit
+    transit = sum((d, b) not in reads for _, _, d, k, b in plan.schedule.fwd.tolist() if k == 1)
+    forwarded = sum((s, b) not in reads for _, s, _, k, b in plan.schedule.bwd.tolist() if k == 5)
+    return plan, transit, forwarded
 
 
 def run_case(rank, world, spec, *, strategy="dcp", Hq=4, Hkv=2, D=16, dtype=torch.float32, block_size=16,
@@ -312,9 +313,9 @@ def _relays_world6(rank, world):
     assert relayed and trees and delayed, f"relay cases ran no relay ({relayed}), tree ({trees}) or delay ({delayed})"
     # transit relays: KV received by a rank that computes nothing with it, only to forward it
     spec = MaskSpec.causal_blockwise(205, block=32, k_local=2)
-    plan, transit = transit_plan(spec, world, ranks_per_node=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
-                                 dtype=torch.float32, block_size=16)
-    assert transit > 0, "the transit case has no transit receive"
+    plan, transit, forwarded = transit_plan(spec, world, ranks_per_node=2, num_q_heads=4, num_kv_heads=2,
+                                            head_dim=16, dtype=torch.float32, block_size=16)
+    assert transit and forwarded, f"the transit case has {transit} transit receives, {forwarded} forwarded partials"
     run_case(rank, world, spec, plan=plan, strategy=plan.strategy)
 
 

@@ -113,7 +113,8 @@ def replay(plan) -> None:
         if kind != KIND_DKV:
             continue
         assert (src, b) in gathered, f"rank {src} sends a DKV partial of block {b} it does not have (or twice)"
-        assert last[(src, b)] < s and arrived.get((src, b), -1) < s, f"rank {src} sends DKV {b} too early"
+        # (a transit rank computes nothing with the block: only its children's arrivals bound it)
+        assert last.get((src, b), -1) < s and arrived.get((src, b), -1) < s, f"rank {src} sends DKV {b} too early"
         gathered.setdefault((dst, b), set()).update(gathered.pop((src, b)))
         arrived[(dst, b)] = max(arrived.get((dst, b), -1), s)
     for b in range(plan.num_blocks):
@@ -348,11 +349,16 @@ def _reads_block_zero_from_ranks_1_and_3(q, k):
     return (k // 16 == q // 16) | (((q // 16 == 1) | (q // 16 == 3)) & (k // 16 == 0))
 
 
+def _reads_block_zero_from_ranks_1_and_3_and_one_from_2(q, k):
+    return _reads_block_zero_from_ranks_1_and_3(q, k) | ((q // 16 == 2) & (k // 16 == 1))
+
+
 def test_hand_made_transit_relay():
     """4 ranks on 2 nodes ({0, 1}, {2, 3}), block i at home i, diagonal tiles plus (1, 0) in stage 1 and
     (3, 0) in stage 2: only rank 3 of its node reads block 0. Relayed through rank 2, which computes
     nothing with it (a transit source), block 0 enters node 1 through rank 2's NIC in stage 1 and
-    reaches rank 3 over NVLink in stage 2; rank 3's dK/dV partial goes home directly."""
+    reaches rank 3 over NVLink in stage 2; rank 3's dK/dV partial goes home directly (no stage is left
+    to pass it through rank 2)."""
     from blockattn.planner.relay import transit_relays
     from blockattn.planner.schedule import KIND_DKV, receive_groups
 
@@ -373,6 +379,20 @@ def test_hand_made_transit_relay():
     fwd, bwd = plan.schedule.fwd.tolist(), plan.schedule.bwd.tolist()
     assert fwd == [[1, 0, 1, KIND_KV, 0], [1, 0, 2, KIND_KV, 0], [2, 2, 3, KIND_KV, 0]]
     assert bwd == [[2, 1, 0, KIND_DKV, 0], [3, 3, 0, KIND_DKV, 0]]
+    # one more stage (rank 2 reads block 1 in stage 3): rank 3's partial now goes through rank 2, which
+    # forwards it home a stage later (rank 2's own row for block 1 is a partial of its own)
+    spec4 = MaskSpec.from_mask_mod(_reads_block_zero_from_ranks_1_and_3_and_one_from_2, 64)
+    tiles4 = TileSet.from_block_mask(spec4.block_mask(16))
+    rank4 = home[tiles4.q]
+    stage4 = np.where(tiles4.q == tiles4.kv, 0, np.where(tiles4.q == 1, 1, np.where(tiles4.q == 3, 2, 3)))
+    plan = build_plan(tiles4, Placement(home, rank4, stage4, kv_relay=relay, tile_stage_bwd=stage4),
+                      strategy="hand-transit", world_size=4, dtype=torch.float32, mask_signature=spec4.signature(),
+                      cost_model=CostModel(Topology(ranks_per_node=2)), **HEADS)
+    check_plan(plan)
+    replay(plan)
+    bwd = plan.schedule.bwd.tolist()
+    assert [3, 3, 2, KIND_DKV, 0] in bwd and [4, 2, 0, KIND_DKV, 0] in bwd and [4, 2, 1, KIND_DKV, 1] in bwd
+    assert not any(row[1] == 3 and row[2] == 0 for row in bwd)
     # needed in stage 1, nothing comes earlier: no transit, and a hand-made one is rejected
     early = np.where(tiles.q == tiles.kv, 0, 1)  # (stages 0 and 1 only)
     groups = receive_groups(rank[remote], tiles.kv[remote], early[remote], 4)
