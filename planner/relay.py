@@ -79,8 +79,7 @@ def add_transit(tiles: TileSet, placement: Placement, *, world_size: int, cost_m
     home = np.asarray(placement.block_home, dtype=np.int64)
     rank = np.asarray(placement.tile_rank, dtype=np.int64)
     stage, _ = compact_stages(placement.tile_stage)
-    remote = home[tiles.kv] != rank
-    groups = receive_groups(rank[remote], tiles.kv[remote], stage[remote], tiles.num_blocks)
+    groups = _placement_groups(tiles.kv, KIND_KV, home, rank, stage, None, tiles.num_blocks)
     relay = as_relay_table(placement.kv_relay)
     transit = transit_relays(home, groups, relay, ranks_per_node=rpn, world_size=world_size)
     if transit.size == 0:

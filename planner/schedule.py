@@ -243,12 +243,21 @@ def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num
 
     relay = as_relay_table(kv_relay)
     r, b, first, _ = kv_groups
-    kv_in = _rows(first, _kv_sources(home, r, b, relay, num_blocks), r, KIND_KV, b)
-    kv_in = np.concatenate([kv_in, _transit_rows(home, r, b, first, relay, num_blocks)])
-    r, b, _, last = kv_bwd
-    dkv_dst, dkv_stage, transit_dkv = _dkv_routes(home, r, b, last, relay, num_blocks, num_stages)
+    src = _kv_sources(home, r, b, relay, num_blocks)
+    kv_in = np.concatenate([_rows(first, src, r, KIND_KV, b), _transit_rows(home, r, b, first, relay, num_blocks)])
+    if kv_bwd is not kv_groups and not (np.array_equal(kv_bwd[0], r) and np.array_equal(kv_bwd[1], b)):
+        raise ValueError("bwd_groups must hold the forward groups' (rank, block) pairs, in the same order")
+    last = kv_bwd[3]  # (same pairs: the forward's KV sources are the backward's DKV parents)
+    dkv_dst, dkv_stage, transit_dkv = _dkv_routes(home, r, b, last, src, num_blocks, num_stages)
     d_kv = np.concatenate([_rows(dkv_stage, r, dkv_dst, KIND_DKV, b), transit_dkv])
     return np.concatenate([q_in, kv_in, out]), np.concatenate([d_out, d_q, d_kv])
+
+
+def _lookup(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(position, found) of each key in the ascending ``sorted_keys`` (non-empty); position is only
+    meaningful where found."""
+    pos = np.minimum(np.searchsorted(sorted_keys, keys), sorted_keys.size - 1)
+    return pos, sorted_keys[pos] == keys
 
 
 def _transit_rows(home, r, b, first, relay, num_blocks: int) -> np.ndarray:
@@ -260,12 +269,9 @@ def _transit_rows(home, r, b, first, relay, num_blocks: int) -> np.ndarray:
     group_key = r * num_blocks + b
     if relay.shape[0] == 0 or group_key.size == 0:
         return np.zeros((0, 5), dtype=np.int64)
-    last = group_key.size - 1
     src_key = relay[:, 2] * num_blocks + relay[:, 0]
-    dst_key = relay[:, 1] * num_blocks + relay[:, 0]
-    dst_pos = np.minimum(np.searchsorted(group_key, dst_key), last)
-    transit = ((group_key[np.minimum(np.searchsorted(group_key, src_key), last)] != src_key)
-               & (relay[:, 2] != home[relay[:, 0]]) & (group_key[dst_pos] == dst_key))
+    dst_pos, dst_found = _lookup(group_key, relay[:, 1] * num_blocks + relay[:, 0])
+    transit = ~_lookup(group_key, src_key)[1] & (relay[:, 2] != home[relay[:, 0]]) & dst_found
     if not transit.any():
         return np.zeros((0, 5), dtype=np.int64)
     rows, need, key = relay[transit], first[dst_pos[transit]], src_key[transit]
@@ -285,18 +291,16 @@ def _kv_sources(home, r, b, relay, num_blocks: int) -> np.ndarray:
     src = home[b]
     if relay.shape[0] == 0 or r.size == 0:
         return src
-    group_key = r * num_blocks + b
-    relay_key = relay[:, 1] * num_blocks + relay[:, 0]
-    pos = np.minimum(np.searchsorted(group_key, relay_key), group_key.size - 1)
-    hit = group_key[pos] == relay_key
+    pos, hit = _lookup(r * num_blocks + b, relay[:, 1] * num_blocks + relay[:, 0])
     src = src.copy()
     src[pos[hit]] = relay[hit, 2]
     return src
 
 
-def _dkv_routes(home, r, b, last, relay, num_blocks: int, num_stages: int) -> tuple:
+def _dkv_routes(home, r, b, last, src, num_blocks: int, num_stages: int) -> tuple:
     """(DKV destination [n], stage [n], transit rows [m, 5]) of the (rank r, kv-block b) receive groups
-    (``last``: a group's last backward stage): home at ``last + 1``, or up a reduce tree.
+    (``last``: a group's last backward stage; ``src``: its KV source, ``_kv_sources``): home at
+    ``last + 1``, or up a reduce tree.
 
     A child of a proxy (a rank with tiles of b that got it from the home or from a transit rank)
     reduces into the proxy when the proxy can still forward the sum: the child's partial arrives at
@@ -304,23 +308,18 @@ def _dkv_routes(home, r, b, last, relay, num_blocks: int, num_stages: int) -> tu
     partial of its own) sends through t when t can forward it one stage later (<= S): t's own row,
     the transit row, leaves after its last child's, so the partials cross the NIC from t, not from
     the reader."""
-    src = _kv_sources(home, r, b, relay, num_blocks)
     dkv_dst, dkv_stage = home[b].copy(), last + 1
     none = np.zeros((0, 5), dtype=np.int64)
     child = np.flatnonzero(src != home[b])
     if child.size == 0:
         return dkv_dst, dkv_stage, none
     group_key = r * num_blocks + b
-    parent_key = src[child] * num_blocks + b[child]
-    ppos = np.minimum(np.searchsorted(group_key, parent_key), group_key.size - 1)
-    is_proxy = group_key[ppos] == parent_key
+    ppos, is_proxy = _lookup(group_key, src[child] * num_blocks + b[child])
     ok = is_proxy & (last[child] + 2 <= num_stages)
     # one hop: the parent must send its own partial on, i.e. have got the block from the home or from a
     # transit rank
     parent_src = src[ppos[ok]]
-    via_key = parent_src * num_blocks + b[child[ok]]
-    via = np.minimum(np.searchsorted(group_key, via_key), group_key.size - 1)
-    ok[ok] = (parent_src == home[b[child[ok]]]) | (group_key[via] != via_key)
+    ok[ok] = (parent_src == home[b[child[ok]]]) | ~_lookup(group_key, parent_src * num_blocks + b[child[ok]])[1]
     dkv_dst[child[ok]] = src[child[ok]]
     np.maximum.at(dkv_stage, ppos[ok], last[child[ok]] + 2)
     through = child[~is_proxy]  # children of transit ranks (their stage may have grown with their own children)
