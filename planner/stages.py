@@ -80,6 +80,8 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
     cum_done = np.r_[0.0, np.cumsum(compute_time[by_done])]
 
     if both_ends:
+        if np.ndim(budget_scale):
+            raise ValueError(f"both_ends stages all ranks with one budget_scale, got {budget_scale!r}")
         item_stage = _stage_items_both_ends(order, item_rank, home[item_block], inter, item_time, item_of, tile_idx,
                                             remote_q, compute_time, local_compute, tile_rank=rank,
                                             world_size=world_size, max_stages=max_stages, budget_scale=budget_scale)
