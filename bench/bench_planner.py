@@ -11,7 +11,11 @@ and 1M tokens / 64 ranks (block classification, the lead's BlockMask, timed sepa
 times, one peer per step), the baseline DCP reports its speedups against; "zigzag" is the same
 placement inside this framework (each rank receives only the KV blocks it reads).
 
-    python bench/bench_planner.py [--quick] [--out bench/results/bench_planner.json]
+With ``--grad-comm-dtype bfloat16`` every plan (dcp and the baselines alike, and zigzag-ring's
+rotating dK/dV accumulator) sends its gradient partials in bf16 instead of fp32
+(``make_plan(grad_comm_dtype=...)``); the results go to bench_planner_bf16grad.json.
+
+    python bench/bench_planner.py [--quick] [--grad-comm-dtype float32|bfloat16] [--out PATH]
 """
 
 from __future__ import annotations
@@ -94,14 +98,16 @@ def literal_zigzag_ring(plan_zigzag, topology: Topology) -> dict:
     comm = np.zeros((P, P + 1))
     comm[:, : P - 1] = step
     fwd = cm.overlapped_time(compute, comm).max()
-    # backward: the fp32 dK/dV accumulator follows the KV shard around the ring, one exchange behind
-    # (computed in step j, sent in exchange j + 1), and makes one last hop home after the last step
+    # backward: the dK/dV accumulator (fp32, or the plan's grad_comm_dtype) follows the KV shard around
+    # the ring, one exchange behind (computed in step j, sent in exchange j + 1), and makes one last hop
+    # home after the last step
+    grad_esize = torch.empty((), dtype=p.grad_comm_dtype).element_size()
     comm_bwd = comm.copy()
-    comm_bwd[:, 1:] += step * 4 / esize
+    comm_bwd[:, 1:] += step * grad_esize / esize
     bwd = cm.overlapped_time(compute * cm.bwd_flops_factor, comm_bwd).max()
     fwd_bytes = ring_rotation_bytes(p.total_len, P, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim, element_size=esize)
     return {"sim_time_fwd": float(fwd), "sim_time_bwd": float(bwd), "bytes_fwd": fwd_bytes,
-            "bytes_bwd": int(fwd_bytes * (1 + 4 / esize)), "compute_imbalance": float(compute.sum(1).max() / compute.sum(1).mean())}
+            "bytes_bwd": int(fwd_bytes * (1 + grad_esize / esize)), "compute_imbalance": float(compute.sum(1).max() / compute.sum(1).mean())}
 
 
 def summarize(stats: dict) -> dict:
@@ -110,7 +116,7 @@ def summarize(stats: dict) -> dict:
     return {k: stats[k] for k in keys}
 
 
-def time_planning(spec: MaskSpec, world_size: int, strategy: str, repeats: int) -> dict:
+def time_planning(spec: MaskSpec, world_size: int, strategy: str, repeats: int, grad_comm_dtype) -> dict:
     t0 = time.perf_counter()
     bm = spec.block_mask(BLOCK)
     classify = time.perf_counter() - t0
@@ -121,7 +127,8 @@ def time_planning(spec: MaskSpec, world_size: int, strategy: str, repeats: int) 
     for _ in range(repeats):
         clear_plan_cache()
         t0, c0 = time.perf_counter(), time.process_time()
-        plan = make_plan(spec, world_size, strategy=strategy, block_size=BLOCK, check=False, **HEADS)
+        plan = make_plan(spec, world_size, strategy=strategy, block_size=BLOCK, check=False,
+                         grad_comm_dtype=grad_comm_dtype, **HEADS)
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)  # excludes time the shared CPU spent on others
     t0 = time.perf_counter()
@@ -142,9 +149,16 @@ def time_planning(spec: MaskSpec, world_size: int, strategy: str, repeats: int) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one batch per source, fewer configurations")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_planner.json"))
+    ap.add_argument("--grad-comm-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype of the dQ/dK/dV partials on the wire, for every strategy")
+    ap.add_argument("--out", default=None, help="default bench/results/bench_planner.json "
+                    "(bench_planner_bf16grad.json with --grad-comm-dtype bfloat16)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    grad = getattr(torch, args.grad_comm_dtype)
+    if args.out is None:
+        name = "bench_planner.json" if grad == torch.float32 else "bench_planner_bf16grad.json"
+        args.out = str(ROOT / "bench" / "results" / name)
     torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
     wiki = np.loadtxt(SEQLENS, dtype=np.int64)
@@ -166,7 +180,8 @@ def main() -> None:
                 entry = {"source": src, "batch": b, "mask": mask_name, "world_size": P, "ranks_per_node": rpn,
                          "documents": len(lens), "strategies": {}}
                 for strategy in STRATEGIES:
-                    plan = make_plan(spec, P, strategy=strategy, block_size=BLOCK, topology=topo, **HEADS)
+                    plan = make_plan(spec, P, strategy=strategy, block_size=BLOCK, topology=topo,
+                                     grad_comm_dtype=grad, **HEADS)
                     entry["strategies"][strategy] = summarize(plan.stats())
                     if strategy == "zigzag":
                         entry["strategies"]["zigzag-ring"] = literal_zigzag_ring(plan, topo)
@@ -184,7 +199,7 @@ def main() -> None:
         entry = {"batch": b, "mask": "causal_docs", "world_size": 32, "ranks_per_node": 8}
         for name, topo in (("nic_400gbps", Topology(ranks_per_node=8)),
                            ("nic_as_nvlink", Topology(ranks_per_node=8, inter_bw=450e9, inter_lat=5e-6))):
-            st = make_plan(spec, 32, block_size=BLOCK, topology=topo, **HEADS).stats()
+            st = make_plan(spec, 32, block_size=BLOCK, topology=topo, grad_comm_dtype=grad, **HEADS).stats()
             entry[name] = (st["sim_time_fwd"] + st["sim_time_bwd"]) / (st["lower_bound_fwd"] + st["lower_bound_bwd"])
         clear_plan_cache()
         nic.append(entry)
@@ -194,12 +209,12 @@ def main() -> None:
     repeats = 3 if args.quick else 5
     for src, lens in (("wikipedia", batches[0][1]), ("longtail", batches[n_batches][1])):
         for strategy in ("dcp", "fcp", "zigzag"):
-            timing.append({"source": src, **time_planning(MaskSpec.documents(lens), 8, strategy, repeats)})
+            timing.append({"source": src, **time_planning(MaskSpec.documents(lens), 8, strategy, repeats, grad)})
     big = wiki_batch(rng, wiki, 1 << 20)
     for strategy in ("dcp", "fcp", "zigzag"):
-        timing.append({"source": "wikipedia", **time_planning(MaskSpec.documents(big), 64, strategy, repeats)})
+        timing.append({"source": "wikipedia", **time_planning(MaskSpec.documents(big), 64, strategy, repeats, grad)})
 
-    report = {"config": {"heads": HEADS, "dtype": "bfloat16", "block_size": BLOCK, "tokens": T, "quick": args.quick,
+    report = {"config": {"heads": HEADS, "dtype": "bfloat16", "grad_comm_dtype": args.grad_comm_dtype, "block_size": BLOCK, "tokens": T, "quick": args.quick,
                          "seed": args.seed, "host": platform.node(), "cpu_threads": torch.get_num_threads()},
               "results": results, "planning_time": timing, "summary": summary(results),
               "step_over_lower_bound_by_nic_speed": nic}

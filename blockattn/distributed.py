@@ -23,7 +23,8 @@ Forward: out/lse accumulate per q-block with the fused ``accumulate=True`` kerne
 (out, lse) of q-blocks owned elsewhere go home and fold into the home's running state with the
 backend's merge as they arrive. Backward: the home computes delta = rowsum(dO * O) (minus dLSE when
 lse is an output too) and ships dO, lse, delta to the tile ranks; per stage dQ (q-major lists) and
-dK/dV (kv-major lists) accumulate in fp32; partials of remote blocks go home and are summed.
+dK/dV (kv-major lists) accumulate in fp32; partials of remote blocks go home in the plan's
+``grad_comm_dtype`` and are summed there in fp32.
 """
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ class RankProgram:
     stages_bwd: tuple  # backward: _Stage per backward stage (q-major and kv-major tiles)
     exchanges: dict  # "fwd"/"bwd" -> tuple[_Exchange] of length S + 1
     planned_bytes: dict  # "fwd"/"bwd" -> bytes this rank sends
+    grad_dtype: torch.dtype  # dQ / dK / dV partials on the wire (plan.grad_comm_dtype)
 
 
 def _token_rows(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -94,10 +96,11 @@ def _token_rows(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(starts, lens) + offsets
 
 
-def _payload_bytes(kind: int, ntok: int, hq: int, hkv: int, d: int, esize: int) -> int:
+def _payload_bytes(kind: int, ntok: int, hq: int, hkv: int, d: int, esize: int, grad_esize: int) -> int:
     """Bytes of `ntok` tokens of `kind` on the wire (matches planner.schedule.payload_bytes)."""
     q, kv = ntok * hq * d, 2 * ntok * hkv * d
-    return (q * esize, kv * esize, q * esize + ntok * hq * 4, q * esize + 2 * ntok * hq * 4, q * 4, kv * 4)[kind]
+    return (q * esize, kv * esize, q * esize + ntok * hq * 4, q * esize + 2 * ntok * hq * 4, q * grad_esize,
+            kv * grad_esize)[kind]
 
 
 def _partial_bits_index(bm, tq: torch.Tensor, tkv: torch.Tensor) -> torch.Tensor | None:
@@ -214,7 +217,8 @@ def build_rank_program(plan, me: int, bm, device: torch.device) -> RankProgram:
     stages_bwd = tuple(stage_lists(plan.tile_stage_bwd.to(torch.int64), s, True) for s in range(S))
 
     esize = torch.empty((), dtype=plan.dtype).element_size()
-    dims = (plan.num_q_heads, plan.num_kv_heads, plan.head_dim, esize)
+    dims = (plan.num_q_heads, plan.num_kv_heads, plan.head_dim, esize,
+            torch.empty((), dtype=plan.grad_comm_dtype).element_size())
     exchanges, planned = {}, {}
     for direction, table in (("fwd", fwd), ("bwd", bwd)):
         _check_stages(plan, direction, table)
@@ -223,7 +227,7 @@ def build_rank_program(plan, me: int, bm, device: torch.device) -> RankProgram:
             for j in range(S + 1))
         planned[direction] = sum(
             _payload_bytes(int(k), int(lens[b]), *dims) for k, b in table[table[:, 1] == me][:, 3:5].tolist())
-    return RankProgram(me, n_local, q_end, kv_end, stages, stages_bwd, exchanges, planned)
+    return RankProgram(me, n_local, q_end, kv_end, stages, stages_bwd, exchanges, planned, plan.grad_comm_dtype)
 
 
 def _check_stages(plan, direction: str, table: torch.Tensor) -> None:
@@ -272,8 +276,9 @@ def _exchange(table, direction, j, me, q_row, kv_row, lens, dims, device) -> _Ex
 
 
 # ----------------------------------------------------------------------------- packing
-def _pack(section: _Section, bufs: dict, wire_dtype: torch.dtype) -> list[torch.Tensor]:
-    """The tensors of one section, in wire order and wire dtypes."""
+def _pack(section: _Section, bufs: dict, wire_dtype: torch.dtype, grad_dtype: torch.dtype) -> list[torch.Tensor]:
+    """The tensors of one section, in wire order and wire dtypes (activations in ``wire_dtype``, gradient
+    partials in ``grad_dtype``; the fp32 accumulators are rounded once, here)."""
     r = section.rows
     k = section.kind
     if k == KIND_Q:
@@ -285,11 +290,12 @@ def _pack(section: _Section, bufs: dict, wire_dtype: torch.dtype) -> list[torch.
     if k == KIND_DO:
         return [bufs["dout"][r], bufs["lse_b"][:, r], bufs["delta"][:, r]]
     if k == KIND_DQ:
-        return [bufs["dq"][r]]
-    return [bufs["dk"][r], bufs["dv"][r]]
+        return [bufs["dq"][r].to(grad_dtype)]
+    return [bufs["dk"][r].to(grad_dtype), bufs["dv"][r].to(grad_dtype)]
 
 
-def _unpack(section: _Section, buf: torch.Tensor, offset: int, dims: tuple, wire_dtype) -> tuple[list, int]:
+def _unpack(section: _Section, buf: torch.Tensor, offset: int, dims: tuple, wire_dtype,
+            grad_dtype) -> tuple[list, int]:
     """Views of one received section's tensors; returns (tensors, next offset)."""
     hq, hkv, d = dims
     n = section.rows.numel()
@@ -299,8 +305,8 @@ def _unpack(section: _Section, buf: torch.Tensor, offset: int, dims: tuple, wire
         KIND_KV: [((n, hkv, d), wire_dtype)] * 2,
         KIND_OUT: [((n, hq, d), wire_dtype), ((hq, n), f32)],
         KIND_DO: [((n, hq, d), wire_dtype), ((hq, n), f32), ((hq, n), f32)],
-        KIND_DQ: [((n, hq, d), f32)],
-        KIND_DKV: [((n, hkv, d), f32)] * 2,
+        KIND_DQ: [((n, hq, d), grad_dtype)],
+        KIND_DKV: [((n, hkv, d), grad_dtype)] * 2,
     }[section.kind]
     out = []
     for shape, dtype in shapes:
@@ -310,9 +316,10 @@ def _unpack(section: _Section, buf: torch.Tensor, offset: int, dims: tuple, wire
     return out, offset
 
 
-def _run_exchange(ex: _Exchange, bufs: dict, *, group, device, method, tag, wire_dtype, name):
+def _run_exchange(ex: _Exchange, bufs: dict, *, group, device, method, tag, wire_dtype, grad_dtype, name):
     """Post one exchange (packing the sends now); returns the StageExchange handle."""
-    send = {peer: [t for sec in secs for t in _pack(sec, bufs, wire_dtype)] for peer, secs in ex.sends.items()}
+    send = {peer: [t for sec in secs for t in _pack(sec, bufs, wire_dtype, grad_dtype)]
+            for peer, secs in ex.sends.items()}
     return comms.StageExchange(send, ex.recv_nbytes, group=group, device=device, method=method, tag=tag,
                                name=name).post()
 
@@ -337,7 +344,7 @@ class _DistributedAttention(torch.autograd.Function):
         S = len(prog.stages)
         for j in range(S + 1):
             handle = _run_exchange(prog.exchanges["fwd"][j], bufs, group=run.group, device=dev, method=run.method,
-                                   tag=2 * j, wire_dtype=q.dtype, name=f"fwd exchange {j}/{S}")
+                                   tag=2 * j, wire_dtype=q.dtype, grad_dtype=prog.grad_dtype, name=f"fwd exchange {j}/{S}")
             if j < S and prog.stages[j].q_tiles is not None:
                 be.attention_fwd(qb, kb, vb, prog.stages[j].q_tiles, kmask, scale, out=out, lse=lse,
                                  accumulate=True)
@@ -345,7 +352,7 @@ class _DistributedAttention(torch.autograd.Function):
             for peer, secs in prog.exchanges["fwd"][j].recvs.items():
                 offset = 0
                 for sec in secs:
-                    parts, offset = _unpack(sec, received[peer], offset, dims, q.dtype)
+                    parts, offset = _unpack(sec, received[peer], offset, dims, q.dtype, prog.grad_dtype)
                     r = sec.rows
                     if sec.kind == KIND_Q:
                         qb[r] = parts[0]
@@ -385,7 +392,8 @@ class _DistributedAttention(torch.autograd.Function):
         S = len(prog.stages)
         for j in range(S + 1):
             handle = _run_exchange(prog.exchanges["bwd"][j], bufs, group=run.group, device=dev, method=run.method,
-                                   tag=2 * j + 1, wire_dtype=qb.dtype, name=f"bwd exchange {j}/{S}")
+                                   tag=2 * j + 1, wire_dtype=qb.dtype, grad_dtype=prog.grad_dtype,
+                                   name=f"bwd exchange {j}/{S}")
             if j < S and prog.stages_bwd[j].q_tiles is not None:
                 st = prog.stages_bwd[j]
                 dq_s = be.attention_bwd_dq(qb, kb, vb, dout_b, lse_b, delta_b, st.q_tiles, kmask, scale)
@@ -397,15 +405,15 @@ class _DistributedAttention(torch.autograd.Function):
             for peer, secs in prog.exchanges["bwd"][j].recvs.items():
                 offset = 0
                 for sec in secs:
-                    parts, offset = _unpack(sec, received[peer], offset, dims, qb.dtype)
+                    parts, offset = _unpack(sec, received[peer], offset, dims, qb.dtype, prog.grad_dtype)
                     r = sec.rows
                     if sec.kind == KIND_DO:
                         dout_b[r], lse_b[:, r], delta_b[:, r] = parts
                     elif sec.kind == KIND_DQ:
-                        dq.index_add_(0, r, parts[0])
+                        dq.index_add_(0, r, parts[0].to(torch.float32))
                     else:
-                        dk.index_add_(0, r, parts[0])
-                        dv.index_add_(0, r, parts[1])
+                        dk.index_add_(0, r, parts[0].to(torch.float32))
+                        dv.index_add_(0, r, parts[1].to(torch.float32))
         return dq[:n].to(qb.dtype), dk[:n].to(kb.dtype), dv[:n].to(vb.dtype), None
 
 

@@ -61,11 +61,12 @@ class PlanAhead:
 
     def __init__(self, world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
-                 topology: Topology | None = None, max_stages: int = 4, workers: int = 1,
-                 mp_context: str = "spawn"):
+                 topology: Topology | None = None, max_stages: int = 4, grad_comm_dtype: torch.dtype = torch.float32,
+                 workers: int = 1, mp_context: str = "spawn"):
         world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology = check_plan_args(
             world_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-            block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages)
+            block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages,
+            grad_comm_dtype=grad_comm_dtype)
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an int >= 1, got {workers!r}")
         if mp_context not in mp.get_all_start_methods():
@@ -73,7 +74,8 @@ class PlanAhead:
                              f"{', '.join(mp.get_all_start_methods())}")
         self.world_size = world_size
         self._kwargs = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                            block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages)
+                            block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages,
+                            grad_comm_dtype=grad_comm_dtype)
         self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(mp_context),
                                          initializer=_init_worker)
         self._started = self._pool.submit(_ready)  # start the workers now, not at the first batch

@@ -58,8 +58,12 @@ def _check_positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+GRAD_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    block_size: int | None, strategy: str, topology: Topology | None, max_stages: int) -> tuple:
+                    block_size: int | None, strategy: str, topology: Topology | None, max_stages: int,
+                    grad_comm_dtype: torch.dtype = torch.float32) -> tuple:
     """Validate make_plan's arguments other than the mask (TypeError / ValueError naming the bad one);
     returns (world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology) normalized."""
     world_size = _check_positive_int("world_size", world_size)
@@ -73,6 +77,9 @@ def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, hea
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) for GQA")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    if grad_comm_dtype not in GRAD_COMM_DTYPES:
+        raise TypeError(f"grad_comm_dtype must be one of torch.float32 (default), torch.bfloat16 or torch.float16 "
+                        f"(the dtype the dQ/dK/dV partials travel in), got {grad_comm_dtype!r}")
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if block_size is not None:
@@ -93,20 +100,25 @@ def check_mask_spec(mask_spec) -> None:
 
 def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
               dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
-              topology: Topology | None = None, max_stages: int = 4, check: bool = True) -> Plan:
+              topology: Topology | None = None, max_stages: int = 4, grad_comm_dtype: torch.dtype = torch.float32,
+              check: bool = True) -> Plan:
     """Plan one batch: which rank holds each token block, which rank computes each non-empty tile
     in which stage, and every transfer that implies (see docs/design.md, "Plan").
 
     ``strategy``: "dcp" (default), "fcp", or a baseline "ring", "zigzag", "allgather".
     ``topology``: ranks per node and link speeds (default: 8 H200 per node, NVLink + 400 Gb/s).
     ``max_stages``: upper bound on communication stages for dcp/fcp (stage 0 excluded).
+    ``grad_comm_dtype``: dtype of the dQ / dK / dV partials sent back to the blocks' homes, which sum
+    them in fp32. fp32 (default) keeps the backward as exact as on one device; torch.bfloat16 halves
+    the backward's largest transfers for one rounding per partial (as TransformerEngine's CP sends dK/dV).
     ``check``: verify the plan's consistency (planner/schedule.py ``check_plan``) before returning.
     To keep planning out of the training step, plan the next batches ahead with ``PlanAhead``
     (planner/ahead.py), which runs this function in a worker process.
     """
     world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology = check_plan_args(
         world_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-        block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages)
+        block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages,
+        grad_comm_dtype=grad_comm_dtype)
     check_mask_spec(mask_spec)
     total_len = int(mask_spec.total_len)
     if block_size is None:
@@ -114,7 +126,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     block_size = _check_positive_int("block_size", block_size)
 
     key = (mask_spec.signature(), world_size, num_q_heads, num_kv_heads, head_dim, str(dtype), block_size,
-           strategy, topology.key(), max_stages)
+           strategy, topology.key(), max_stages, str(grad_comm_dtype))
     cached = _cache.get(key)
     if cached is not None:
         _cache.move_to_end(key)
@@ -122,13 +134,13 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
 
     tiles = TileSet.from_block_mask(mask_spec.block_mask(block_size))
     cost_model = CostModel(topology=topology)
-    element_size = torch.empty((), dtype=dtype).element_size()
     placement = _strategies()[strategy](
         tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, element_size=element_size, max_stages=max_stages)
+        head_dim=head_dim, element_size=_element_size(dtype), grad_element_size=_element_size(grad_comm_dtype),
+        max_stages=max_stages)
     plan = build_plan(tiles, placement, strategy=strategy, world_size=world_size, num_q_heads=num_q_heads,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                      mask_signature=mask_spec.signature(), cost_model=cost_model)
+                      mask_signature=mask_spec.signature(), cost_model=cost_model, grad_comm_dtype=grad_comm_dtype)
     if check:
         check_plan(plan)
     _cache[key] = plan
@@ -142,9 +154,13 @@ def clear_plan_cache() -> None:
     _cache.clear()
 
 
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_size: int, num_q_heads: int,
                num_kv_heads: int, head_dim: int, dtype: torch.dtype, mask_signature: str,
-               cost_model: CostModel) -> Plan:
+               cost_model: CostModel, grad_comm_dtype: torch.dtype = torch.float32) -> Plan:
     """Turn a strategy's Placement into a Plan (stages compacted, schedule derived with its relays)."""
     home = np.asarray(placement.block_home, dtype=np.int64)
     rank = np.asarray(placement.tile_rank, dtype=np.int64)
@@ -155,7 +171,7 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
         # backward stages by what each tile sends and needs (planner/stages.py), local tiles spread
         # where the backward's transfers would be exposed; the forward stages stay as planned
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     element_size=torch.empty((), dtype=dtype).element_size())
+                     element_size=_element_size(dtype), grad_element_size=_element_size(grad_comm_dtype))
         done = finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes,
                                 kv_relay=relay if relay.shape[0] else None, spread_forward=False, score=False)
         schedule, stage_bwd = done.schedule, done.tile_stage_bwd
@@ -171,7 +187,7 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
     return Plan(
         strategy=strategy, world_size=world_size, total_len=tiles.total_len, block_size=tiles.block_size,
         num_blocks=tiles.num_blocks, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        dtype=dtype, mask_signature=mask_signature, block_home=as32(home), local_blocks=local,
+        dtype=dtype, grad_comm_dtype=grad_comm_dtype, mask_signature=mask_signature, block_home=as32(home), local_blocks=local,
         tile_q=as32(tiles.q), tile_kv=as32(tiles.kv), tile_full=torch.from_numpy(tiles.full.copy()),
         tile_rank=as32(rank), tile_stage=as32(stage), num_stages=num_stages, schedule=schedule,
         tile_pairs=torch.from_numpy(tiles.pairs.astype(np.int64)), cost_model=cost_model, kv_relay=as32(relay),

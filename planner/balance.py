@@ -49,8 +49,8 @@ class Balancer:
     """Mutable tile -> rank assignment with per-rank compute time and transfer bytes."""
 
     def __init__(self, tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology, *,
-                 num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, relay_aware: bool = False,
-                 start: np.ndarray | None = None):
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, grad_element_size: int = 4,
+                 relay_aware: bool = False, start: np.ndarray | None = None):
         P, nB = world_size, tiles.num_blocks
         self.t, self.home, self.c, self.P, self.nB = tiles, home, compute, P, nB
         self.node = topology.node_of(np.arange(P))
@@ -58,7 +58,8 @@ class Balancer:
         self.multi_node = bool(self.node.max() > 0)
         self.relay_aware = relay_aware and self.multi_node
         lens = tiles.block_lengths()
-        sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size)
+        sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
+                     grad_element_size=grad_element_size)
         self.q_bytes = payload_bytes(KIND_Q, lens, **sizes).astype(np.float64)
         self.kv_bytes = payload_bytes(KIND_KV, lens, **sizes).astype(np.float64)
         self.out_bytes = payload_bytes(KIND_OUT, lens, **sizes).astype(np.float64)
@@ -296,11 +297,12 @@ def _distinct(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
 
 
 def pushed_rows(tiles: TileSet, home: np.ndarray, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                element_size: int) -> np.ndarray:
+                element_size: int, grad_element_size: int = 4) -> np.ndarray:
     """Start rank of every tile: its q-home, or its kv-home where the q-row's piece there reads more KV
     bytes (each block's KV shared by the q-home's rows that read it) than the Q block and OUT partial
     that computing it at the kv-home moves."""
-    sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size)
+    sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
+                 grad_element_size=grad_element_size)
     lens = tiles.block_lengths()
     q_out_bytes = (payload_bytes(KIND_Q, lens, **sizes) + payload_bytes(KIND_OUT, lens, **sizes)).astype(np.float64)
     kv_bytes = payload_bytes(KIND_KV, lens, **sizes).astype(np.float64)

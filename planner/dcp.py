@@ -203,12 +203,14 @@ def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel,
 
 
 def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
-        head_dim: int, element_size: int, max_stages: int, init: str | None = None, **_) -> Placement:
+        head_dim: int, element_size: int, max_stages: int, init: str | None = None, grad_element_size: int = 4,
+        **_) -> Placement:
     """DCP placement (see module docstring). ``init`` forces one initial data placement
     ("contiguous", "hierarchical", "hierarchical-fcp", "zigzag", "fcp", "fcp-docs", "dealt"); by default
     the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in turn and the fastest (simulated
     fwd + bwd time) is kept."""
-    sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size)
+    sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
+                 grad_element_size=grad_element_size)
     result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
     one_node = world_size <= cost_model.topology.ranks_per_node
     if init is not None or world_size == 1 or (one_node and coarsening_factor(tiles, world_size) > 1):

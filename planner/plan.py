@@ -47,6 +47,8 @@ class Plan:
     kv_relay: torch.Tensor = field(default_factory=lambda: torch.zeros((0, 3), dtype=torch.int32))
     # int32 [ntiles] backward stage of every tile (planner/stages.py backward_stages); None: the forward's
     tile_stage_bwd: torch.Tensor | None = None
+    # dtype of the dQ / dK / dV partials on the wire (summed in fp32 at the home)
+    grad_comm_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
         if self.tile_stage_bwd is None:
@@ -150,6 +152,8 @@ class Plan:
                    self.num_q_heads, self.num_kv_heads, self.head_dim, str(self.dtype), self.mask_signature,
                    self.num_stages, self.cost_model.topology.key(), self.cost_model.fwd_rate,
                    self.cost_model.bwd_flops_factor)
+        if self.grad_comm_dtype != torch.float32:  # only then, so fp32 plans keep their fingerprints
+            scalars += (str(self.grad_comm_dtype),)
         h.update(repr(scalars).encode())
         tensors = [self.block_home, self.tile_q, self.tile_kv, self.tile_full, self.tile_rank, self.tile_stage,
                    self.tile_pairs, self.schedule.fwd, self.schedule.bwd, *self.local_blocks]
@@ -225,7 +229,8 @@ class Plan:
             f"blocks={self.num_blocks} tiles={self.tile_q.numel()} stages={self.num_stages}",
             f"  memory: tokens/rank min {min(s['tokens'])} max {max(s['tokens'])} (max/mean {s['memory_imbalance']:.3f})",
             f"  compute: max/mean {s['compute_imbalance']:.3f}, total {sum(s['flops_fwd']) / 1e12:.3f} TFLOP fwd",
-            f"  bytes: fwd {s['bytes_fwd'] * mb:.1f} MiB, bwd {s['bytes_bwd'] * mb:.1f} MiB, "
+            f"  bytes: fwd {s['bytes_fwd'] * mb:.1f} MiB, bwd {s['bytes_bwd'] * mb:.1f} MiB "
+            f"(gradient partials in {str(self.grad_comm_dtype).removeprefix('torch.')}), "
             f"transfers {s['transfers']}, KV relayed inside nodes {s['kv_relays']}",
             f"  sim time (H200 model): fwd {s['sim_time_fwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_fwd'] * 1e3:.3f}),"
             f" bwd {s['sim_time_bwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_bwd'] * 1e3:.3f})",

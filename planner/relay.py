@@ -55,7 +55,7 @@ from .tiles import TileSet
 def add_relays(tiles: TileSet, placement: Placement, *, world_size: int, cost_model: CostModel, max_stages: int,
                sizes: dict) -> Placement:
     """``placement`` with KV relays inside nodes when the cost model says they make it faster, else the
-    input itself. ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size (as dcp passes them).
+    input itself. ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size, grad_element_size (as dcp passes them).
 
     A relayed result carries compact stages, its CommSchedule, its ``kv_relay`` table and ``sim_time``
     (simulated fwd + bwd time). The input's ``sim_time``, when set, is taken as its score (dcp has just

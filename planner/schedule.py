@@ -22,8 +22,8 @@ Rules (the executor and ``Plan.stats()`` both follow exactly these rows):
   already resident then. Backward first / last stages below are over those.
 * DO (backward): dO + lse + delta of such a q-block, home -> rank, at its first backward stage
   (never stage 0).
-* DQ / DKV (backward): fp32 partial gradients of remote q-blocks / kv-blocks back to the home at
-  ``last backward stage + 1``. Q/KV received in the forward are kept, never re-fetched.
+* DQ / DKV (backward): partial gradients of remote q-blocks / kv-blocks (in the plan's
+  ``grad_comm_dtype``, summed in fp32) back to the home at ``last backward stage + 1``. Q/KV received in the forward are kept, never re-fetched.
 * DKV reduce tree (mirror of a relay): a rank that got KV b from a *proxy* p (a rank with tiles of b
   that got it from the home or from a transit source) sends its dK/dV partial to p instead, at
   ``last + 1``, when that leaves p room to forward the sum: p sends on at
@@ -54,11 +54,13 @@ class PlanConsistencyError(AssertionError):
     """A plan whose tiles, homes, stages and transfers do not agree (a planner bug)."""
 
 
-def payload_bytes(kind, block_len, *, num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int):
+def payload_bytes(kind, block_len, *, num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int,
+                  grad_element_size: int = 4):
     """Bytes of one transfer of ``kind`` for a block of ``block_len`` valid tokens (numpy-vectorized).
 
-    Activations travel in the model dtype (``element_size`` bytes); lse, delta and all gradient
-    partials are fp32 (4 bytes), as the executor sends them.
+    Activations travel in the model dtype (``element_size`` bytes); lse and delta are fp32; the
+    gradient partials dQ / dK / dV travel in the plan's ``grad_comm_dtype`` (``grad_element_size``
+    bytes, fp32 by default), as the executor sends them.
     """
     kind = np.asarray(kind, dtype=np.int64)
     rows = np.asarray(block_len, dtype=np.int64)
@@ -71,8 +73,8 @@ def payload_bytes(kind, block_len, *, num_q_heads: int, num_kv_heads: int, head_
         kv_tok * act,  # KV
         q_tok * act + num_q_heads * 4,  # OUT: out + lse
         q_tok * act + 2 * num_q_heads * 4,  # DO: dout + lse + delta
-        q_tok * 4,  # DQ
-        kv_tok * 4,  # DKV
+        q_tok * grad_element_size,  # DQ
+        kv_tok * grad_element_size,  # DKV
     ], dtype=np.int64)
     valid = (kind >= 0) & (kind < per_token.size)
     return np.where(valid, per_token[np.where(valid, kind, 0)] * rows, -1)
@@ -136,6 +138,7 @@ class CommSchedule:
             num_kv_heads=plan.num_kv_heads,
             head_dim=plan.head_dim,
             element_size=torch.empty((), dtype=plan.dtype).element_size(),
+            grad_element_size=torch.empty((), dtype=plan.grad_comm_dtype).element_size(),
         )
         return int(out[0]) if single else out
 

@@ -25,7 +25,7 @@ from .schedule import KIND_KV, KIND_Q, derive_schedule, payload_bytes, row_bytes
 
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
                   block_size: int, total_len: int, world_size: int, cost_model: CostModel, max_stages: int,
-                  num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int,
+                  num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, grad_element_size: int = 4,
                   budget_scale: float | tuple = 1.0, both_ends: bool = False) -> np.ndarray:
     """int64 [ntiles] stage of every tile (see module docstring). ``budget_scale`` > 1 lets each stage's
     transfers exceed the compute hiding them by that factor (items front-loaded into fewer, earlier
@@ -56,7 +56,8 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
     item_block = keys % nB
     block_len = np.minimum(block_size, total_len - item_block * block_size)
     nbytes = payload_bytes(item_kind, block_len, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                           head_dim=head_dim, element_size=element_size).astype(np.float64)
+                           head_dim=head_dim, element_size=element_size,
+                           grad_element_size=grad_element_size).astype(np.float64)
     inter = topo.node_of(home[item_block]) != topo.node_of(item_rank)
     item_time = nbytes / np.where(inter, topo.inter_bw, topo.intra_bw)
 
@@ -349,7 +350,7 @@ def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarra
     transfers would otherwise be exposed (forward only with ``spread_forward``, into one more stage of
     local tiles after the last when ``max_stages`` allows it; backward always), and the simulated
     forward + backward time (``score``; without it, ``sim_time`` is None and the forward's transfer
-    times are not computed). ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size."""
+    times are not computed). ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size, grad_element_size."""
     stage, num_stages = compact_stages(stage)
     q, kv, P = tiles.q, tiles.kv, world_size
     block_len = tiles.block_lengths()

@@ -74,7 +74,7 @@ def _assert_close(name, got, ref64, eager, dtype, rows):
 
 
 def random_plan(spec, world, *, seed, num_q_heads, num_kv_heads, head_dim, dtype, block_size, max_stage=3,
-                empty_rank=None):
+                empty_rank=None, grad_comm_dtype=torch.float32):
     """A valid Plan with random block homes, tile ranks and stages: tiles run away from their q-block's
     home too, so Q / OUT / DO / DQ transfers and the home-side merge of partials are exercised (the
     planner's strategies keep every tile at its q home). `empty_rank` holds no tokens (it still computes)."""
@@ -97,13 +97,13 @@ def random_plan(spec, world, *, seed, num_q_heads, num_kv_heads, head_dim, dtype
     stage = np.where(at_home, rng.integers(0, max_stage, n), rng.integers(1, max_stage + 1, n))
     plan = build_plan(tiles, Placement(home, rank, stage), strategy=f"random{seed}", world_size=world,
                       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                      mask_signature=spec.signature(), cost_model=CostModel())
+                      mask_signature=spec.signature(), cost_model=CostModel(), grad_comm_dtype=grad_comm_dtype)
     check_plan(plan)
     return plan
 
 
 def relay_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_dim, dtype, block_size,
-               inter_bw=2e9):
+               inter_bw=2e9, grad_comm_dtype=torch.float32):
     """dcp's plan with node-level KV relays (planner/relay.py) on a slow inter-node link: the relayed
     variant with DKV reduce trees and delayed tiles if one has them."""
     import numpy as np
@@ -116,8 +116,10 @@ def relay_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_d
     from blockattn.planner.relay import relay_variants
     from blockattn.planner.tiles import TileSet
 
-    kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    sizes = dict(kw, element_size=torch.empty((), dtype=dtype).element_size())
+    sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 element_size=torch.empty((), dtype=dtype).element_size(),
+                 grad_element_size=torch.empty((), dtype=grad_comm_dtype).element_size())
+    kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, grad_comm_dtype=grad_comm_dtype)
     cost_model = CostModel(topology=Topology(ranks_per_node=ranks_per_node, inter_bw=inter_bw))
     tiles = TileSet.from_block_mask(spec.block_mask(block_size))
     # dcp's balancing of a zigzag placement (not dcp's own choice among its candidates, which changes as
@@ -182,14 +184,15 @@ def transit_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head
 
 
 def run_case(rank, world, spec, *, strategy="dcp", Hq=4, Hkv=2, D=16, dtype=torch.float32, block_size=16,
-             backend="torch", comm_method="p2p", lse_grad=False, seed=0, plan=None):
+             backend="torch", comm_method="p2p", lse_grad=False, seed=0, plan=None, grad_comm_dtype=torch.float32):
     """Run one plan fwd+bwd on this rank and check it; returns this rank's output rows.
     strategy "random<k>": a random valid placement with seed k (see random_plan); ``plan``: run this one."""
     from blockattn.comms import count_bytes
     from blockattn.distributed import distributed_block_attention
     from blockattn.planner import make_plan
 
-    kw = dict(num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, dtype=dtype, block_size=block_size)
+    kw = dict(num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, dtype=dtype, block_size=block_size,
+              grad_comm_dtype=grad_comm_dtype)
     if plan is not None:
         pass
     elif strategy.startswith("random"):  # "random<seed>" or "random<seed>-empty<rank>"
@@ -268,6 +271,10 @@ def _masks_world3(rank, world):
     bits_mask = MaskSpec.from_mask_mod(lambda qi, ki: (ki <= qi) & ((qi // 7 + ki // 5) % 4 != 1), 163)
     run_case(rank, world, bits_mask, strategy="random4", Hq=6, Hkv=2)
     run_case(rank, world, MaskSpec.causal(120), strategy="random9-empty1")  # rank 1 holds no token
+    # dQ / dK / dV partials sent in bf16 (summed in fp32 at home): within the bf16 bound, bytes as planned
+    for strategy in ("random10", "dcp"):
+        run_case(rank, world, MaskSpec.documents([1, 45, 3, 80, 1, 67]), dtype=torch.bfloat16, Hkv=1,
+                 strategy=strategy, grad_comm_dtype=torch.bfloat16)
 
 
 def _strategies_world4(rank, world):
@@ -300,11 +307,13 @@ def _relays_world6(rank, world):
     # 3 "nodes" of 2 ranks on a slow NIC: relayed KV (some tiles delayed for it) and DKV reduce trees
     relayed = delayed = trees = 0
     cases = [(MaskSpec.causal_blockwise(205, block=32, k_local=2), {}),
-             (MaskSpec.shared_question(64, [50, 70, 40, 60]), dict(comm_method="a2a", dtype=torch.bfloat16, Hkv=1))]
+             # gradient partials in bf16: a relay rounds its sum of its children's partials once more
+             (MaskSpec.shared_question(64, [50, 70, 40, 60]), dict(comm_method="a2a", dtype=torch.bfloat16, Hkv=1,
+                                                                   grad_comm_dtype=torch.bfloat16))]
     for spec, kw in cases:
-        dtype = kw.get("dtype", torch.float32)
+        dtype, grad_dtype = kw.get("dtype", torch.float32), kw.get("grad_comm_dtype", torch.float32)
         base, plan = relay_plan(spec, world, ranks_per_node=2, num_q_heads=4, num_kv_heads=kw.get("Hkv", 2),
-                                head_dim=16, dtype=dtype, block_size=16)
+                                head_dim=16, dtype=dtype, block_size=16, grad_comm_dtype=grad_dtype)
         bwd, home = plan.schedule.bwd, plan.block_home.long()
         relayed += plan.stats()["kv_relays"]
         trees += int(((bwd[:, 3] == 5) & (bwd[:, 2] != home[bwd[:, 4].long()])).sum())
