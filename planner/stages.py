@@ -250,9 +250,7 @@ def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank
     groups, of_tile = np.unique(key, return_inverse=True)
     group_rank = groups // nB
     group_c = np.bincount(of_tile, weights=compute[idx], minlength=groups.size)
-    cum = np.cumsum(group_c)
-    before_rank = np.concatenate([[0.0], cum])[np.searchsorted(group_rank, group_rank)]  # cum before the rank's first group
-    chosen = (cum - before_rank) <= take[group_rank]
+    chosen = _grouped_cumsum(group_rank, group_c) <= take[group_rank]
     stage = stage.copy()
     stage[idx[chosen[of_tile]]] = 1
     return stage
@@ -329,7 +327,7 @@ def _pour(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, order: np.nd
         return stage
     r, c = rank[order], seconds[order]
     total = np.bincount(r, weights=c, minlength=P)
-    end = np.cumsum(c) - (np.cumsum(total) - total)[r]  # each tile's end position in its rank's list
+    end = _grouped_cumsum(r, c)  # each tile's end position in its rank's list
     upto = np.minimum(np.cumsum(gaps, axis=1), movable[:, None])  # [P, F] work placed up to gap i
     # the first gap i with end <= upto[r, i]: upto is non-decreasing along i, so one searchsorted over
     # the rows laid end to end, each shifted past the previous one, finds it for every tile at once
