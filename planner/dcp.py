@@ -239,16 +239,20 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
 
 
 def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
-         init: str | None) -> Placement:
+         init: str | None, relays: bool = True) -> Placement:
+    """dcp's placement before the baseline check and the transit relays. ``relays=False``: without
+    node-level relays and the refinements that redo them (the balanced candidates alone)."""
     factor = coarsening_factor(tiles, world_size)
     if factor > 1:
         coarse, of_fine = coarsen(tiles, factor)
-        plan = _dcp(coarse, world_size, cost_model, max_stages, sizes, init)
+        plan = _dcp(coarse, world_size, cost_model, max_stages, sizes, init, relays)
         # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
         # inputs, so they are home / received by that stage; the schedule is derived afresh.
         fine = Placement(block_home=plan.block_home[np.arange(tiles.num_blocks) // factor],
                          tile_rank=plan.tile_rank[of_fine], tile_stage=plan.tile_stage[of_fine])
         # relays found on merged blocks do not carry over (the fine schedule is derived afresh)
+        if not relays:
+            return fine
         return add_relays(tiles, fine, world_size=world_size, cost_model=cost_model, max_stages=max_stages,
                           sizes=sizes)
     if init is not None:
@@ -274,14 +278,16 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     # finalists: (placement, balanced relay-aware already)
     finalists = [(placement, False) for _, _, placement in sorted(planned, key=lambda item: item[:2])[:RELAY_TOP]]
     if multi_node and min(t for t, _, _ in planned) > good_enough:
-        finalists = [(add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
-                                 max_stages=max_stages, sizes=sizes), False) for placement, _ in finalists]
+        if relays:
+            finalists = [(add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
+                                     max_stages=max_stages, sizes=sizes), False) for placement, _ in finalists]
         # plus candidates balanced on the premise of relays (KV already on a node priced as NVLink),
         # scored with their relays: ranked before relays they would look slow
-        finalists += [(_place(tiles, world_size, name, cost_model, max_stages, sizes, relay_aware=True)[0], True)
+        finalists += [(_place(tiles, world_size, name, cost_model, max_stages, sizes, relays=relays,
+                              relay_aware=True)[0], True)
                       for name in RELAY_AWARE_INITS if name in inits]
     finalists.sort(key=lambda item: item[0].sim_time)  # stable: first of equals in candidate order
-    if multi_node and finalists[0][0].sim_time > good_enough:
+    if relays and multi_node and finalists[0][0].sim_time > good_enough:
         # the refinements gain unequally: the two fastest finalists are refined, the faster result kept
         refined = []
         for placement, balanced in finalists[:REFINE_TOP]:

@@ -47,20 +47,9 @@ def dcp_placement_without_relays(tiles, world_size, cost_model, sizes, max_stage
     """dcp's own balanced placement before any relay (make_plan adds relays itself, and on small
     batches may return a baseline placement instead), so tests can relay it themselves; ``init``
     forces dcp's initial data placement."""
-    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.dcp import _dcp
 
-    # the refinements after the candidates (relay-aware rebalancing, restaging) re-add relays: off too
-    patched = {"add_relays": lambda tiles, placement, **_: placement,
-               "_relay_balanced": lambda tiles, placement, *_: placement,
-               "_restaged": lambda tiles, placement, *_: placement}
-    saved = {name: getattr(dcp_module, name) for name in patched}
-    for name, stub in patched.items():
-        setattr(dcp_module, name, stub)
-    try:
-        own = dcp_module._dcp(tiles, world_size, cost_model, max_stages, sizes, init)
-    finally:
-        for name, original in saved.items():
-            setattr(dcp_module, name, original)
+    own = _dcp(tiles, world_size, cost_model, max_stages, sizes, init, relays=False)
     return Placement(own.block_home, own.tile_rank, own.tile_stage)
 
 
