@@ -344,7 +344,8 @@ class _DistributedAttention(torch.autograd.Function):
         S = len(prog.stages)
         for j in range(S + 1):
             handle = _run_exchange(prog.exchanges["fwd"][j], bufs, group=run.group, device=dev, method=run.method,
-                                   tag=2 * j, wire_dtype=q.dtype, grad_dtype=prog.grad_dtype, name=f"fwd exchange {j}/{S}")
+                                   tag=2 * j, wire_dtype=q.dtype, grad_dtype=prog.grad_dtype,
+                                   name=f"fwd exchange {j}/{S}")
             if j < S and prog.stages[j].q_tiles is not None:
                 be.attention_fwd(qb, kb, vb, prog.stages[j].q_tiles, kmask, scale, out=out, lse=lse,
                                  accumulate=True)

@@ -187,7 +187,8 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
     return Plan(
         strategy=strategy, world_size=world_size, total_len=tiles.total_len, block_size=tiles.block_size,
         num_blocks=tiles.num_blocks, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        dtype=dtype, grad_comm_dtype=grad_comm_dtype, mask_signature=mask_signature, block_home=as32(home), local_blocks=local,
+        dtype=dtype, grad_comm_dtype=grad_comm_dtype, mask_signature=mask_signature, block_home=as32(home),
+        local_blocks=local,
         tile_q=as32(tiles.q), tile_kv=as32(tiles.kv), tile_full=torch.from_numpy(tiles.full.copy()),
         tile_rank=as32(rank), tile_stage=as32(stage), num_stages=num_stages, schedule=schedule,
         tile_pairs=torch.from_numpy(tiles.pairs.astype(np.int64)), cost_model=cost_model, kv_relay=as32(relay),

@@ -23,7 +23,8 @@ Rules (the executor and ``Plan.stats()`` both follow exactly these rows):
 * DO (backward): dO + lse + delta of such a q-block, home -> rank, at its first backward stage
   (never stage 0).
 * DQ / DKV (backward): partial gradients of remote q-blocks / kv-blocks (in the plan's
-  ``grad_comm_dtype``, summed in fp32) back to the home at ``last backward stage + 1``. Q/KV received in the forward are kept, never re-fetched.
+  ``grad_comm_dtype``, summed in fp32) back to the home at ``last backward stage + 1``. Q/KV received
+  in the forward are kept, never re-fetched.
 * DKV reduce tree (mirror of a relay): a rank that got KV b from a *proxy* p (a rank with tiles of b
   that got it from the home or from a transit source) sends its dK/dV partial to p instead, at
   ``last + 1``, when that leaves p room to forward the sum: p sends on at
