@@ -24,17 +24,21 @@ NIC (``inter_bw``, 9x slower than NVLink in the cost model). With a relay it sen
 * Transit relays (``add_transit``, on dcp's final plan): a block that only one rank of a node reads
   still crossed that rank's own NIC, so a rank holding a long document's end on a node of its own
   pulled the document's KV alone. A *transit* rank t of the same node that computes nothing with b
-  (rotating with b) receives it one stage before the reader needs it and forwards it over NVLink,
-  so the node's NICs share the load (``transit_relays``; the schedule derives t's receive,
-  planner/schedule.py ``_transit_rows``); the reader's dK/dV partial goes back through t, which
-  forwards it home a stage later where the stages allow. Kept where the cost model says so (fwd+bwd
-  / bound over the benchmark cases: 32 ranks / 8 per node 1.454 -> 1.422, the best case 1.82 -> 1.45).
+  receives it one stage before the reader needs it and forwards it over NVLink, so the node's NICs
+  share the load (``transit_relays``; the schedule derives t's receive, planner/schedule.py
+  ``_transit_rows``); the reader's dK/dV partial goes back through t, which forwards it home a stage
+  later where the stages allow. Mirrored, t may be a node-mate of a hot *home*, which hands it the
+  block over NVLink and sends it out through its own NIC. The transit ranks are chosen to even out
+  each node's NIC loads, receiving or sending (a greedy pass over the eligible groups,
+  ``_balancing_transit``), or rotate with b; kept where the cost model says so (fwd+bwd / bound over
+  the benchmark cases, 32 ranks / 8 per node: none 1.454, rotating 1.422, balanced 1.389).
 
 Which receivers delay is the cost model's call. Candidates: the input, relays without delays, relays
 with every possible delay, and a per-rank mix (a rank delays only if its own simulated fwd and bwd
 times stay within the slowest rank of the no-delay candidate, so no rank becomes a new straggler).
 Each is scored as dcp scores plans (fwd + bwd overlapped time, planner/cost_model.py); the fastest
-wins. Everything is numpy over (rank, block) receive groups: no Python loop over blocks or tiles.
+wins. Everything but the transit choice is numpy over (rank, block) receive groups: no Python loop
+over blocks or tiles.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from .cost_model import CostModel
 from .placement import Placement, compact_stages
 from .stages import (backward_stages, backward_time, choose_backward_staging, finish_placement,
                      local_tiles_by_rank, spread_backward_local)
-from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, receive_groups,
+from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, payload_bytes, receive_groups,
                        row_bytes, schedule_rows)
 from .tiles import TileSet
 
@@ -71,8 +75,8 @@ def add_relays(tiles: TileSet, placement: Placement, *, world_size: int, cost_mo
 
 def add_transit(tiles: TileSet, placement: Placement, *, world_size: int, cost_model: CostModel,
                 sizes: dict) -> Placement:
-    """``placement`` (scored: ``sim_time`` set) with transit relays for every KV block that still crosses
-    into a node for a rank alone (``transit_relays``), if that simulates faster; else the input."""
+    """``placement`` (scored: ``sim_time`` set) with the transit relays (``transit_relays``) that even out
+    NIC loads inside nodes, if that simulates faster; else the input."""
     rpn = cost_model.topology.ranks_per_node
     if world_size <= rpn or tiles.num_tiles == 0 or placement.sim_time is None:
         return placement
@@ -81,22 +85,54 @@ def add_transit(tiles: TileSet, placement: Placement, *, world_size: int, cost_m
     stage, _ = compact_stages(placement.tile_stage)
     groups = _placement_groups(tiles.kv, KIND_KV, home, rank, stage, None, tiles.num_blocks)
     relay = as_relay_table(placement.kv_relay)
-    transit = transit_relays(home, groups, relay, ranks_per_node=rpn, world_size=world_size)
-    if transit.size == 0:
-        return placement
-    table = np.concatenate([relay, transit])
-    alt = finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes,
-                           kv_relay=table[np.lexsort((table[:, 1], table[:, 0]))], spread_forward=False)
-    return alt if alt.sim_time < placement.sim_time else placement
+    # Transit relays that even out the NIC loads of each node: a receiver's (its node-mates take the
+    # inbound KV of blocks it alone reads) or a home's (node-mates send them out for it), and both
+    # together where either alone was faster; with no load to even out, every eligible block through a
+    # transit rank (the receives a stage earlier may find room). The fastest is kept if faster than none.
+    fwd = placement.schedule.fwd.numpy().astype(np.int64)
+    node = np.arange(world_size) // rpn
+    inter = node[fwd[:, 1]] != node[fwd[:, 2]]
+    block_len = tiles.block_lengths()
+    nbytes = row_bytes(fwd[inter], block_len, **sizes)
+    kw = dict(ranks_per_node=rpn, world_size=world_size,
+              kv_bytes=payload_bytes(KIND_KV, block_len, **sizes).astype(np.float64))
+    send_load = np.bincount(fwd[inter, 1], weights=nbytes, minlength=world_size)
+    by_receiver = transit_relays(home, groups, relay, side="receiver", **kw,
+                                 load=np.bincount(fwd[inter, 2], weights=nbytes, minlength=world_size))
+
+    def with_transit(transit):
+        table = np.concatenate([relay, transit])
+        return finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes,
+                                kv_relay=table[np.lexsort((table[:, 1], table[:, 0]))], spread_forward=False)
+
+    tried = [with_transit(t) for t in (by_receiver, transit_relays(home, groups, relay, side="home", **kw,
+                                                                   load=send_load)) if t.size]
+    if len(tried) == 2 and min(alt.sim_time for alt in tried) < placement.sim_time:
+        rest = transit_relays(home, groups, np.concatenate([relay, by_receiver]), side="home", **kw, load=send_load)
+        if rest.size:
+            tried.append(with_transit(np.concatenate([by_receiver, rest])))
+    if not tried:  # no NIC load to even out: still, receives a stage earlier may find room
+        every = transit_relays(home, groups, relay, ranks_per_node=rpn, world_size=world_size)
+        if every.size:
+            tried.append(with_transit(every))
+    return min([placement] + tried, key=lambda alt: alt.sim_time)
 
 
-def transit_relays(home: np.ndarray, kv_groups, relay: np.ndarray, *, ranks_per_node: int,
-                   world_size: int) -> np.ndarray:
+def transit_relays(home: np.ndarray, kv_groups, relay: np.ndarray, *, ranks_per_node: int, world_size: int,
+                   load: np.ndarray | None = None, kv_bytes: np.ndarray | None = None,
+                   side: str = "receiver") -> np.ndarray:
     """int64 [m, 3] (block, dst, t) relays through *transit* ranks, sorted by (block, dst): every receive
     group (``receive_groups``) that still gets its KV block from the home on another node (no row in
     ``relay``), first needing it in stage >= 2, gets it from a rank t of its own node that computes no
     tile of the block - from (b mod n) on, so a node's blocks spread over its ranks - which receives it
-    one stage earlier (planner/schedule.py ``_transit_rows``)."""
+    one stage earlier (planner/schedule.py ``_transit_rows``).
+
+    With ``load`` (float [P]: bytes each rank receives, or with ``side="home"`` sends, over its NIC) and
+    ``kv_bytes`` [nB], only the groups that even out each node's NIC load (``_balancing_transit``); with
+    ``side="home"`` the transit rank is on the home's node instead (NVLink from the home, then its own
+    NIC), which spreads a hot home's sends over its node."""
+    if side not in ("receiver", "home"):
+        raise ValueError(f"side must be 'receiver' or 'home', got {side!r}")
     r, b, first, _ = kv_groups
     nB = home.size
     relayed = np.zeros(world_size * nB, dtype=bool)
@@ -107,6 +143,10 @@ def transit_relays(home: np.ndarray, kv_groups, relay: np.ndarray, *, ranks_per_
     idx = np.flatnonzero((node != home[b] // ranks_per_node) & (first >= 2) & ~relayed[r * nB + b])
     if idx.size == 0:
         return np.zeros((0, 3), dtype=np.int64)
+    if load is not None:
+        giver = r[idx] if side == "receiver" else home[b[idx]]
+        return _balancing_transit(giver, r[idx], b[idx], first[idx], reads, load, kv_bytes,
+                                  ranks_per_node=ranks_per_node, world_size=world_size, one_entry=side == "receiver")
     start = node[idx] * ranks_per_node
     size = np.minimum(ranks_per_node, world_size - start)
     t = np.full(idx.size, -1, dtype=np.int64)
@@ -116,6 +156,43 @@ def transit_relays(home: np.ndarray, kv_groups, relay: np.ndarray, *, ranks_per_
         t[ok] = cand[ok]
     keep = t >= 0
     rows = np.stack([b[idx][keep], r[idx][keep], t[keep]], axis=1)
+    return rows[np.lexsort((rows[:, 1], rows[:, 0]))]
+
+
+def _balancing_transit(giver: np.ndarray, r: np.ndarray, b: np.ndarray, first: np.ndarray, reads: np.ndarray,
+                       load: np.ndarray, kv_bytes: np.ndarray, *, ranks_per_node: int, world_size: int,
+                       one_entry: bool) -> np.ndarray:
+    """Transit relays (block, r, t) for some of the eligible groups (r, b, first), each weighing on its
+    ``giver``'s NIC (the receiver r, or the home): per node, givers in order of decreasing NIC load hand
+    their groups (latest first need first: the transit's receive comes a stage earlier) to the
+    least-loaded rank of the node that computes no tile of the block, while that leaves the taker's load
+    below the giver's. ``one_entry`` (receiver side): a block already entering the node through a
+    transit rank reuses it at no further cost; on the home's side every forward is a send of its own."""
+    nB = kv_bytes.size
+    load = np.asarray(load, dtype=np.float64).copy()
+    out, entry = [], {}  # entry: (node, block) -> the transit rank receiving it
+    node = giver // ranks_per_node
+    order = np.lexsort((b, -first, giver))  # per giver: latest first need first
+    for n in np.unique(node).tolist():
+        mates = np.arange(n * ranks_per_node, min((n + 1) * ranks_per_node, world_size))
+        mine = order[node[order] == n]
+        for g in sorted(mates.tolist(), key=lambda x: (-load[x], x)):
+            for i in mine[giver[mine] == g].tolist():
+                blk, w = int(b[i]), float(kv_bytes[b[i]])
+                t = entry.get((n, blk))
+                if t is None:
+                    free = mates[(mates != g) & ~reads[mates * nB + blk]]
+                    if free.size == 0:
+                        continue
+                    t = int(free[np.lexsort((free, load[free]))[0]])
+                    if load[t] + w > load[g] - w:
+                        break  # the giver is no longer above the others
+                    load[t] += w
+                    if one_entry:
+                        entry[(n, blk)] = t
+                load[g] -= w
+                out.append((blk, int(r[i]), t))
+    rows = np.array(out, dtype=np.int64).reshape(-1, 3)
     return rows[np.lexsort((rows[:, 1], rows[:, 0]))]
 
 

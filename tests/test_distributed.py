@@ -148,11 +148,13 @@ def relay_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_d
     return base, plan
 
 
-def transit_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_dim, dtype, block_size):
+def transit_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_dim, dtype, block_size,
+                 side=None):
     """dcp's balancing of a "hierarchical" placement with every KV block that crosses to a node for one
-    reader relayed through a transit rank of that node (planner/relay.py transit_relays), and the
-    numbers of transit receives (KV rows into a rank that computes no tile of the block) and of dK/dV
-    partials such a rank forwards home."""
+    reader relayed through a transit rank of that node (planner/relay.py transit_relays), or with
+    ``side="home"`` the sends that even out the homes' NICs (counted in blocks) through their
+    node-mates; and the numbers of transit receives (KV rows into a rank that computes no tile of the
+    block) and of dK/dV partials such a rank forwards home."""
     import numpy as np
 
     from test_relay import dcp_placement_without_relays
@@ -173,7 +175,15 @@ def transit_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head
     stage, _ = compact_stages(own.tile_stage)
     remote = home[tiles.kv] != rank
     groups = receive_groups(rank[remote], tiles.kv[remote], stage[remote], tiles.num_blocks)
-    relay = transit_relays(home, groups, np.zeros((0, 3), np.int64), ranks_per_node=ranks_per_node, world_size=world)
+    none = np.zeros((0, 3), np.int64)
+    if side == "home":
+        r, b = groups[0], groups[1]
+        crossing = r // ranks_per_node != home[b] // ranks_per_node
+        sends = np.bincount(home[b[crossing]], minlength=world).astype(np.float64)
+        relay = transit_relays(home, groups, none, ranks_per_node=ranks_per_node, world_size=world, side="home",
+                               load=sends, kv_bytes=np.ones(tiles.num_blocks))
+    else:
+        relay = transit_relays(home, groups, none, ranks_per_node=ranks_per_node, world_size=world)
     plan = build_plan(tiles, Placement(home, rank, stage, kv_relay=relay), strategy="dcp+transit", world_size=world,
                       dtype=dtype, mask_signature=spec.signature(), cost_model=cost_model, **kw)
     check_plan(plan)
@@ -326,6 +336,13 @@ def _relays_world6(rank, world):
                                             head_dim=16, dtype=torch.float32, block_size=16)
     assert transit and forwarded, f"the transit case has {transit} transit receives, {forwarded} forwarded partials"
     run_case(rank, world, spec, plan=plan, strategy=plan.strategy)
+    # transit ranks on the homes' nodes: a node-mate of a hot home sends some of its blocks out for it
+    # (and forwards the readers' dK/dV partials home)
+    spec = MaskSpec.shared_question(64, [50, 70, 40, 60])
+    plan, transit, forwarded = transit_plan(spec, world, ranks_per_node=2, num_q_heads=4, num_kv_heads=2,
+                                            head_dim=16, dtype=torch.bfloat16, block_size=16, side="home")
+    assert transit and forwarded, f"the home-side case has {transit} transit receives, {forwarded} forwarded partials"
+    run_case(rank, world, spec, plan=plan, strategy=plan.strategy, dtype=torch.bfloat16)
 
 
 def _errors_world3(rank, world):

@@ -412,3 +412,54 @@ def test_dcp_keeps_transit_relays_where_they_are_faster(monkeypatch):
     assert time(plan) < 0.95 * time(without)
     clear_plan_cache()
 
+
+
+def test_transit_relays_even_out_a_nodes_nic_loads():
+    """Receiver side: rank 3 of node {3, 4, 5} pulls 3 blocks over its NIC, rank 5 one, rank 4 none:
+    rank 3 hands its latest-needed block to rank 4 and stops there (one more would leave rank 4 above
+    it); rank 5's block is read by rank 3, so only rank 4 could take it, and that would not lower the
+    node's maximum."""
+    from blockattn.planner.relay import transit_relays
+
+    home = np.array([0, 1, 2, 0])
+    r, b = np.array([3, 3, 3, 5]), np.array([0, 1, 2, 2])
+    first = np.array([2, 3, 2, 2])
+    w = 1.0
+    kw = dict(ranks_per_node=3, world_size=6, kv_bytes=np.full(4, w))
+    load = np.array([0, 0, 0, 3 * w, 0, w])
+    out = transit_relays(home, (r, b, first, first), np.zeros((0, 3), np.int64), side="receiver", load=load, **kw)
+    assert out.tolist() == [[1, 3, 4]]
+    # evened out already: nothing
+    assert transit_relays(home, (r, b, first, first), np.zeros((0, 3), np.int64), side="receiver",
+                          load=np.array([0, 0, 0, w, w, w]), **kw).size == 0
+
+
+def _block_zero_read_by_ranks_2_and_3(q, k):
+    return (q // 16 == k // 16) | ((k // 16 == 0) & (q // 16 >= 2)) | ((q // 16 == 3) & (k // 16 == 2))
+
+
+def test_transit_relay_on_the_homes_node():
+    """Home side: block 0 (home 0) is read by ranks 2 and 3 of the other node in stage 2 (rank 3 reads
+    block 2 in stage 1), so rank 0 sends it twice over its NIC. Rank 1, its node-mate, computes nothing with it: it gets block 0 over
+    NVLink in stage 1 and sends rank 2's copy through its own NIC, one send each."""
+    from blockattn.planner.relay import transit_relays
+    from blockattn.planner.schedule import receive_groups
+
+    spec = MaskSpec.from_mask_mod(_block_zero_read_by_ranks_2_and_3, 64)
+    tiles = TileSet.from_block_mask(spec.block_mask(16))
+    home = np.arange(4)
+    rank = home[tiles.q]
+    stage = np.where(tiles.q == tiles.kv, 0, np.where(tiles.kv == 0, 2, 1))
+    remote = home[tiles.kv] != rank
+    groups = receive_groups(rank[remote], tiles.kv[remote], stage[remote], 4)
+    kv_bytes = np.full(4, 1.0)
+    relay = transit_relays(home, groups, np.zeros((0, 3), np.int64), ranks_per_node=2, world_size=4, side="home",
+                           load=np.array([2.0, 0.0, 0.0, 0.0]), kv_bytes=kv_bytes)
+    assert relay.tolist() == [[0, 2, 1]]
+    plan = build_plan(tiles, Placement(home, rank, stage, kv_relay=relay, tile_stage_bwd=stage),
+                      strategy="hand-transit", world_size=4, dtype=torch.float32, mask_signature=spec.signature(),
+                      cost_model=CostModel(Topology(ranks_per_node=2)), **HEADS)
+    check_plan(plan)
+    replay(plan)
+    fwd = plan.schedule.fwd.tolist()
+    assert fwd == [[1, 0, 1, KIND_KV, 0], [1, 2, 3, KIND_KV, 2], [2, 0, 3, KIND_KV, 0], [2, 1, 2, KIND_KV, 0]]
