@@ -102,39 +102,52 @@ def random_plan(spec, world, *, seed, num_q_heads, num_kv_heads, head_dim, dtype
     return plan
 
 
+def _balanced_without_relays(spec, world, *, init, ranks_per_node, num_q_heads, num_kv_heads, head_dim, dtype,
+                             block_size, inter_bw=2e9, grad_comm_dtype=torch.float32):
+    """(tiles, cost model, build_plan keywords, sizes, dcp's balancing of the ``init`` data placement
+    without relays) on nodes of ``ranks_per_node`` with a slow inter-node link: the base that the relay
+    and transit cases add their relays to."""
+    from test_relay import dcp_placement_without_relays
+
+    from blockattn.planner import CostModel, Topology
+    from blockattn.planner.tiles import TileSet
+
+    sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 element_size=torch.empty((), dtype=dtype).element_size(),
+                 grad_element_size=torch.empty((), dtype=grad_comm_dtype).element_size())
+    kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, grad_comm_dtype=grad_comm_dtype,
+              dtype=dtype, world_size=world, mask_signature=spec.signature())
+    cost_model = CostModel(topology=Topology(ranks_per_node=ranks_per_node, inter_bw=inter_bw))
+    tiles = TileSet.from_block_mask(spec.block_mask(block_size))
+    own = dcp_placement_without_relays(tiles, world, cost_model, sizes, init=init)
+    return tiles, cost_model, kw, sizes, own
+
+
 def relay_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_dim, dtype, block_size,
                inter_bw=2e9, grad_comm_dtype=torch.float32):
     """dcp's plan with node-level KV relays (planner/relay.py) on a slow inter-node link: the relayed
     variant with DKV reduce trees and delayed tiles if one has them."""
     import numpy as np
 
-    from test_relay import dcp_placement_without_relays
-
-    from blockattn.planner import CostModel, Topology, check_plan
+    from blockattn.planner import check_plan
     from blockattn.planner.api import build_plan
     from blockattn.planner.placement import Placement
     from blockattn.planner.relay import relay_variants
-    from blockattn.planner.tiles import TileSet
 
-    sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                 element_size=torch.empty((), dtype=dtype).element_size(),
-                 grad_element_size=torch.empty((), dtype=grad_comm_dtype).element_size())
-    kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, grad_comm_dtype=grad_comm_dtype)
-    cost_model = CostModel(topology=Topology(ranks_per_node=ranks_per_node, inter_bw=inter_bw))
-    tiles = TileSet.from_block_mask(spec.block_mask(block_size))
     # dcp's balancing of a zigzag placement (not dcp's own choice among its candidates, which changes as
     # the planner does): it has receivers that need a block in their proxy's stage, so relayed variants
     # delay tiles; the test counts them against this relay-free placement
-    own = dcp_placement_without_relays(tiles, world, cost_model, sizes, init="zigzag")
-    base = build_plan(tiles, own, strategy="dcp", world_size=world, dtype=dtype, mask_signature=spec.signature(),
-                      cost_model=cost_model, **kw)
+    tiles, cost_model, kw, sizes, own = _balanced_without_relays(
+        spec, world, init="zigzag", ranks_per_node=ranks_per_node, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, block_size=block_size, inter_bw=inter_bw,
+        grad_comm_dtype=grad_comm_dtype)
+    base = build_plan(tiles, own, strategy="dcp", cost_model=cost_model, **kw)
     as64 = lambda t: t.numpy().astype(np.int64)  # noqa: E731
     # every relayed variant dcp weighs (not only the one it keeps): this test is about executing
     # relays, DKV reduce trees and delayed tiles, so it takes the variant with the most of them
     _, variants = relay_variants(tiles, Placement(as64(base.block_home), as64(base.tile_rank), as64(base.tile_stage)),
                                  world_size=world, cost_model=cost_model, max_stages=4, sizes=sizes)
-    plans = [build_plan(tiles, v, strategy="dcp+relay", world_size=world, dtype=dtype,
-                        mask_signature=spec.signature(), cost_model=base.cost_model, **kw) for v in variants]
+    plans = [build_plan(tiles, v, strategy="dcp+relay", cost_model=base.cost_model, **kw) for v in variants]
     if not plans:
         raise AssertionError(f"no relay candidates for {spec}")
 
@@ -157,20 +170,15 @@ def transit_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head
     block) and of dK/dV partials such a rank forwards home."""
     import numpy as np
 
-    from test_relay import dcp_placement_without_relays
-
-    from blockattn.planner import CostModel, Topology, check_plan
+    from blockattn.planner import check_plan
     from blockattn.planner.api import build_plan
     from blockattn.planner.placement import Placement, compact_stages
     from blockattn.planner.relay import transit_relays
     from blockattn.planner.schedule import receive_groups
-    from blockattn.planner.tiles import TileSet
 
-    kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    sizes = dict(kw, element_size=torch.empty((), dtype=dtype).element_size())
-    cost_model = CostModel(topology=Topology(ranks_per_node=ranks_per_node, inter_bw=2e9))
-    tiles = TileSet.from_block_mask(spec.block_mask(block_size))
-    own = dcp_placement_without_relays(tiles, world, cost_model, sizes, init="hierarchical")
+    tiles, cost_model, kw, _, own = _balanced_without_relays(
+        spec, world, init="hierarchical", ranks_per_node=ranks_per_node, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, block_size=block_size)
     home, rank = own.block_home, own.tile_rank
     stage, _ = compact_stages(own.tile_stage)
     remote = home[tiles.kv] != rank
@@ -184,8 +192,8 @@ def transit_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head
                                load=sends, kv_bytes=np.ones(tiles.num_blocks))
     else:
         relay = transit_relays(home, groups, none, ranks_per_node=ranks_per_node, world_size=world)
-    plan = build_plan(tiles, Placement(home, rank, stage, kv_relay=relay), strategy="dcp+transit", world_size=world,
-                      dtype=dtype, mask_signature=spec.signature(), cost_model=cost_model, **kw)
+    plan = build_plan(tiles, Placement(home, rank, stage, kv_relay=relay), strategy="dcp+transit",
+                      cost_model=cost_model, **kw)
     check_plan(plan)
     reads = set(zip(rank.tolist(), tiles.kv.tolist()))
     transit = sum((d, b) not in reads for _, _, d, k, b in plan.schedule.fwd.tolist() if k == 1)
