@@ -45,6 +45,7 @@ def _comm_worker(rank: int, cfg: DemoConfig, methods, repeats: int, port: int, o
         for strategy in cfg.strategies:
             plan = make_plan(spec, cfg.world_size, strategy=strategy, num_q_heads=cfg.num_q_heads,
                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=getattr(torch, cfg.dtype),
+                             grad_comm_dtype=getattr(torch, cfg.grad_comm_dtype),
                              block_size=cfg.block_size)
             prog = rank_program(plan, rank, spec.block_mask(plan.block_size), torch.device("cpu"))
             for method in methods:

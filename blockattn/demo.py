@@ -41,6 +41,7 @@ class DemoConfig:
     num_kv_heads: int = 2
     head_dim: int = 64
     dtype: str = "bfloat16"
+    grad_comm_dtype: str = "float32"  # dQ/dK/dV partials on the wire (make_plan's grad_comm_dtype)
     block_size: int | None = None  # planner default (128 at these sizes)
     strategies: tuple = STRATEGIES
     repeats: int = 1  # timed runs after one warm-up run per strategy
@@ -175,7 +176,8 @@ def _compare(rank: int, cfg: DemoConfig, pg_backend: str, device: torch.device) 
     spec = make_mask(cfg.mask, cfg.tokens, docs)
     T = spec.total_len
     q, k, v, dout = _global_tensors(cfg, T, dtype, device)
-    heads = dict(num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype)
+    heads = dict(num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=dtype,
+                 grad_comm_dtype=getattr(torch, cfg.grad_comm_dtype))
 
     steps = len(cfg.strategies) * (2 + cfg.repeats) + 1
     bar = tqdm(total=steps, desc=f"{cfg.mask} T={T} P={cfg.world_size}", disable=rank != 0 or not cfg.progress,
@@ -315,6 +317,8 @@ def parse_args(argv=None) -> DemoConfig:
     p.add_argument("--heads", type=int, nargs=2, default=(d.num_q_heads, d.num_kv_heads), metavar=("HQ", "HKV"))
     p.add_argument("--head-dim", type=int, default=d.head_dim)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=d.dtype)
+    p.add_argument("--grad-comm-dtype", choices=("float32", "bfloat16", "float16"), default=d.grad_comm_dtype,
+                   help="dtype of the dQ/dK/dV partials sent between ranks")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--repeats", type=int, default=d.repeats)
@@ -332,7 +336,8 @@ def parse_args(argv=None) -> DemoConfig:
     if a.world_size < 1 or a.tokens < 1 or a.repeats < 1:
         p.error("--world-size, --tokens and --repeats must be >= 1")
     cfg = DemoConfig(world_size=a.world_size, tokens=a.tokens, mask=a.mask, num_q_heads=a.heads[0],
-                     num_kv_heads=a.heads[1], head_dim=a.head_dim, dtype=a.dtype, block_size=a.block_size,
+                     num_kv_heads=a.heads[1], head_dim=a.head_dim, dtype=a.dtype, grad_comm_dtype=a.grad_comm_dtype,
+                     block_size=a.block_size,
                      strategies=strategies, repeats=a.repeats, comm_method=a.comm_method, backend=a.backend,
                      seqlens_file=a.seqlens_file, max_doc_len=a.max_doc_len, seed=a.seed)
     cfg.extra["json"] = a.json
@@ -345,7 +350,7 @@ def main(argv=None) -> int:
     where = f"{cfg.world_size} GPUs, NCCL" if use_gpu else f"{cfg.world_size} CPU processes, gloo"
     print(f"blockattn demo: {cfg.mask} mask over {cfg.tokens} packed tokens, "
           f"Hq={cfg.num_q_heads} Hkv={cfg.num_kv_heads} "
-          f"D={cfg.head_dim} {cfg.dtype}, {where}", flush=True)
+          f"D={cfg.head_dim} {cfg.dtype} (gradient partials {cfg.grad_comm_dtype}), {where}", flush=True)
     t0 = time.perf_counter()
     result = run_comparison(cfg)
     print(f"batch: {result['num_documents']} documents (longest {result['longest_document']}) from "
