@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_planner import HEADS, masks
 
@@ -463,3 +463,53 @@ def test_transit_relay_on_the_homes_node():
     replay(plan)
     fwd = plan.schedule.fwd.tolist()
     assert fwd == [[1, 0, 1, KIND_KV, 0], [1, 2, 3, KIND_KV, 2], [2, 0, 3, KIND_KV, 0], [2, 1, 2, KIND_KV, 0]]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_balancing_transit_properties(data):
+    """Random receive groups and NIC loads on nodes of 2-4 ranks: every transit row names an eligible
+    group and a rank of the giver's node that computes nothing with the block; on the receiver side
+    one transit rank per (node, block); and no node's highest NIC load grows."""
+    from blockattn.planner.relay import transit_relays
+    from blockattn.planner.schedule import receive_groups
+
+    rpn = data.draw(st.integers(2, 4), label="ranks_per_node")
+    world = rpn * data.draw(st.integers(2, 3), label="nodes")
+    nB = data.draw(st.integers(1, 12), label="blocks")
+    home = np.array(data.draw(st.lists(st.integers(0, world - 1), min_size=nB, max_size=nB), label="home"))
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, world - 1), st.integers(0, nB - 1), st.integers(1, 3)),
+                               min_size=1, max_size=30), label="reads")
+    r = np.array([p[0] for p in pairs])
+    b = np.array([p[1] for p in pairs])
+    s = np.array([p[2] for p in pairs])
+    keep = home[b] != r
+    if not keep.any():
+        return
+    groups = receive_groups(r[keep], b[keep], s[keep], nB)
+    kv_bytes = np.array(data.draw(st.lists(st.floats(0.5, 2.0), min_size=nB, max_size=nB), label="kv_bytes"))
+    load = np.array(data.draw(st.lists(st.floats(0.0, 10.0), min_size=world, max_size=world), label="load"))
+    reads = set(zip(groups[0].tolist(), groups[1].tolist()))
+    node = lambda x: x // rpn  # noqa: E731
+    for side in ("receiver", "home"):
+        rows = transit_relays(home, groups, np.zeros((0, 3), np.int64), ranks_per_node=rpn, world_size=world,
+                              side=side, load=load, kv_bytes=kv_bytes)
+        event(f"{side}: {'some' if rows.size else 'no'} transit rows")
+        after = load.copy()
+        entered = {}
+        for blk, dst, t in rows.tolist():
+            assert (dst, blk) in reads and node(dst) != node(home[blk])
+            first = groups[2][(groups[0] == dst) & (groups[1] == blk)][0]
+            assert first >= 2, "a transit receive needs a stage before the reader's first need"
+            giver = dst if side == "receiver" else home[blk]
+            assert node(t) == node(giver) and t != giver and (t, blk) not in reads
+            after[giver] -= kv_bytes[blk]
+            if side == "receiver":  # the transit rank receives the block once, for all its readers
+                assert entered.setdefault((node(t), blk), t) == t, "one transit rank per block and node"
+            else:  # each forward is a send of its own
+                after[t] += kv_bytes[blk]
+        for (_, blk), t in entered.items():
+            after[t] += kv_bytes[blk]
+        for n in range(world // rpn):
+            mates = slice(n * rpn, (n + 1) * rpn)
+            assert after[mates].max() <= load[mates].max() + 1e-9
