@@ -342,6 +342,31 @@ def _reads_block_zero_from_ranks_1_and_3_and_one_from_2(q, k):
     return _reads_block_zero_from_ranks_1_and_3(q, k) | ((q // 16 == 2) & (k // 16 == 1))
 
 
+def _four_ranks_by_hand(mask_mod, stage_of):
+    """A 64-token mask of 16-token blocks on 4 ranks, block i at home i and every tile at its q-block's
+    home, in the stages ``stage_of(tiles)``: (spec, tiles, home, tile ranks, stages, KV receive groups)."""
+    from blockattn.planner.schedule import receive_groups
+
+    spec = MaskSpec.from_mask_mod(mask_mod, 64)
+    tiles = TileSet.from_block_mask(spec.block_mask(16))
+    home = np.arange(4)
+    rank = home[tiles.q]
+    stage = stage_of(tiles)
+    remote = home[tiles.kv] != rank
+    return spec, tiles, home, rank, stage, receive_groups(rank[remote], tiles.kv[remote], stage[remote], 4)
+
+
+def _checked_transit_plan(spec, tiles, home, rank, stage, relay):
+    """The Plan of a hand-made transit placement on 2 nodes of 2 ranks (backward stages = forward),
+    after check_plan and replay."""
+    plan = build_plan(tiles, Placement(home, rank, stage, kv_relay=relay, tile_stage_bwd=stage),
+                      strategy="hand-transit", world_size=4, dtype=torch.float32, mask_signature=spec.signature(),
+                      cost_model=CostModel(Topology(ranks_per_node=2)), **HEADS)
+    check_plan(plan)
+    replay(plan)
+    return plan
+
+
 def test_hand_made_transit_relay():
     """4 ranks on 2 nodes ({0, 1}, {2, 3}), block i at home i, diagonal tiles plus (1, 0) in stage 1 and
     (3, 0) in stage 2: only rank 3 of its node reads block 0. Relayed through rank 2, which computes
@@ -351,20 +376,12 @@ def test_hand_made_transit_relay():
     from blockattn.planner.relay import transit_relays
     from blockattn.planner.schedule import KIND_DKV, receive_groups
 
-    spec = MaskSpec.from_mask_mod(_reads_block_zero_from_ranks_1_and_3, 64)
-    tiles = TileSet.from_block_mask(spec.block_mask(16))
-    home = np.arange(4)
-    rank = home[tiles.q]
-    stage = np.where(tiles.q == tiles.kv, 0, np.where(tiles.q == 1, 1, 2))
+    spec, tiles, home, rank, stage, groups = _four_ranks_by_hand(
+        _reads_block_zero_from_ranks_1_and_3, lambda t: np.where(t.q == t.kv, 0, np.where(t.q == 1, 1, 2)))
     remote = home[tiles.kv] != rank
-    groups = receive_groups(rank[remote], tiles.kv[remote], stage[remote], 4)
     relay = transit_relays(home, groups, np.zeros((0, 3), np.int64), ranks_per_node=2, world_size=4)
     assert relay.tolist() == [[0, 3, 2]]  # block 0 rotates to rank 0 of node 1 (rank 2), which reads nothing
-    placement = Placement(home, rank, stage, kv_relay=relay, tile_stage_bwd=stage)
-    plan = build_plan(tiles, placement, strategy="hand-transit", world_size=4, dtype=torch.float32,
-                      mask_signature=spec.signature(), cost_model=CostModel(Topology(ranks_per_node=2)), **HEADS)
-    check_plan(plan)
-    replay(plan)
+    plan = _checked_transit_plan(spec, tiles, home, rank, stage, relay)
     fwd, bwd = plan.schedule.fwd.tolist(), plan.schedule.bwd.tolist()
     assert fwd == [[1, 0, 1, KIND_KV, 0], [1, 0, 2, KIND_KV, 0], [2, 2, 3, KIND_KV, 0]]
     assert bwd == [[2, 1, 0, KIND_DKV, 0], [3, 3, 0, KIND_DKV, 0]]
@@ -374,11 +391,7 @@ def test_hand_made_transit_relay():
     tiles4 = TileSet.from_block_mask(spec4.block_mask(16))
     rank4 = home[tiles4.q]
     stage4 = np.where(tiles4.q == tiles4.kv, 0, np.where(tiles4.q == 1, 1, np.where(tiles4.q == 3, 2, 3)))
-    plan = build_plan(tiles4, Placement(home, rank4, stage4, kv_relay=relay, tile_stage_bwd=stage4),
-                      strategy="hand-transit", world_size=4, dtype=torch.float32, mask_signature=spec4.signature(),
-                      cost_model=CostModel(Topology(ranks_per_node=2)), **HEADS)
-    check_plan(plan)
-    replay(plan)
+    plan = _checked_transit_plan(spec4, tiles4, home, rank4, stage4, relay)
     bwd = plan.schedule.bwd.tolist()
     assert [3, 3, 2, KIND_DKV, 0] in bwd and [4, 2, 0, KIND_DKV, 0] in bwd and [4, 2, 1, KIND_DKV, 1] in bwd
     assert not any(row[1] == 3 and row[2] == 0 for row in bwd)
@@ -443,25 +456,14 @@ def test_transit_relay_on_the_homes_node():
     block 2 in stage 1), so rank 0 sends it twice over its NIC. Rank 1, its node-mate, computes nothing with it: it gets block 0 over
     NVLink in stage 1 and sends rank 2's copy through its own NIC, one send each."""
     from blockattn.planner.relay import transit_relays
-    from blockattn.planner.schedule import receive_groups
 
-    spec = MaskSpec.from_mask_mod(_block_zero_read_by_ranks_2_and_3, 64)
-    tiles = TileSet.from_block_mask(spec.block_mask(16))
-    home = np.arange(4)
-    rank = home[tiles.q]
-    stage = np.where(tiles.q == tiles.kv, 0, np.where(tiles.kv == 0, 2, 1))
-    remote = home[tiles.kv] != rank
-    groups = receive_groups(rank[remote], tiles.kv[remote], stage[remote], 4)
+    spec, tiles, home, rank, stage, groups = _four_ranks_by_hand(
+        _block_zero_read_by_ranks_2_and_3, lambda t: np.where(t.q == t.kv, 0, np.where(t.kv == 0, 2, 1)))
     kv_bytes = np.full(4, 1.0)
     relay = transit_relays(home, groups, np.zeros((0, 3), np.int64), ranks_per_node=2, world_size=4, side="home",
                            load=np.array([2.0, 0.0, 0.0, 0.0]), kv_bytes=kv_bytes)
     assert relay.tolist() == [[0, 2, 1]]
-    plan = build_plan(tiles, Placement(home, rank, stage, kv_relay=relay, tile_stage_bwd=stage),
-                      strategy="hand-transit", world_size=4, dtype=torch.float32, mask_signature=spec.signature(),
-                      cost_model=CostModel(Topology(ranks_per_node=2)), **HEADS)
-    check_plan(plan)
-    replay(plan)
-    fwd = plan.schedule.fwd.tolist()
+    fwd = _checked_transit_plan(spec, tiles, home, rank, stage, relay).schedule.fwd.tolist()
     assert fwd == [[1, 0, 1, KIND_KV, 0], [1, 2, 3, KIND_KV, 2], [2, 0, 3, KIND_KV, 0], [2, 1, 2, KIND_KV, 0]]
 
 
