@@ -51,15 +51,16 @@ from .cost_model import CostModel
 from .placement import Placement, compact_stages
 from .stages import (backward_stages, backward_time, choose_backward_staging, finish_placement,
                      local_tiles_by_rank, spread_backward_local)
-from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, payload_bytes, receive_groups,
-                       row_bytes, schedule_rows)
+from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, payload_bytes,
+                       receive_groups, row_bytes, schedule_rows)
 from .tiles import TileSet
 
 
 def add_relays(tiles: TileSet, placement: Placement, *, world_size: int, cost_model: CostModel, max_stages: int,
                sizes: dict) -> Placement:
     """``placement`` with KV relays inside nodes when the cost model says they make it faster, else the
-    input itself. ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size, grad_element_size (as dcp passes them).
+    input itself. ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size, grad_element_size (as dcp
+    passes them).
 
     A relayed result carries compact stages, its CommSchedule, its ``kv_relay`` table and ``sim_time``
     (simulated fwd + bwd time). The input's ``sim_time``, when set, is taken as its score (dcp has just
@@ -167,7 +168,8 @@ def _balancing_transit(giver: np.ndarray, r: np.ndarray, b: np.ndarray, first: n
     their groups (latest first need first: the transit's receive comes a stage earlier) to the
     least-loaded rank of the node that computes no tile of the block, while that leaves the taker's load
     below the giver's. ``one_entry`` (receiver side): a block already entering the node through a
-    transit rank reuses it at no further cost; on the home's side every forward is a send of its own."""
+    transit rank reuses it at no further cost; on the home's side every forward is a send of its own.
+    ``reads`` [P * nB] marks the (rank, block) pairs with tiles; ``load`` [P] is not modified."""
     nB = kv_bytes.size
     load = np.asarray(load, dtype=np.float64).copy()
     out, entry = [], {}  # entry: (node, block) -> the transit rank receiving it
