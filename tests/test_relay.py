@@ -453,8 +453,9 @@ def _block_zero_read_by_ranks_2_and_3(q, k):
 
 def test_transit_relay_on_the_homes_node():
     """Home side: block 0 (home 0) is read by ranks 2 and 3 of the other node in stage 2 (rank 3 reads
-    block 2 in stage 1), so rank 0 sends it twice over its NIC. Rank 1, its node-mate, computes nothing with it: it gets block 0 over
-    NVLink in stage 1 and sends rank 2's copy through its own NIC, one send each."""
+    block 2 in stage 1), so rank 0 sends it twice over its NIC. Rank 1, its node-mate, computes nothing
+    with it: it gets block 0 over NVLink in stage 1 and sends rank 2's copy through its own NIC, one
+    send each."""
     from blockattn.planner.relay import transit_relays
 
     spec, tiles, home, rank, stage, groups = _four_ranks_by_hand(
