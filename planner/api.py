@@ -80,6 +80,10 @@ def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, hea
     if grad_comm_dtype not in GRAD_COMM_DTYPES:
         raise TypeError(f"grad_comm_dtype must be one of torch.float32 (default), torch.bfloat16 or torch.float16 "
                         f"(the dtype the dQ/dK/dV partials travel in), got {grad_comm_dtype!r}")
+    if grad_comm_dtype == torch.float16 and dtype != torch.float16:
+        # fp16's range (65504) is narrower than bf16's and fp32's: partials of such a model could overflow
+        raise ValueError(f"grad_comm_dtype=torch.float16 needs dtype=torch.float16 (got dtype={dtype}); "
+                         "use torch.bfloat16 or torch.float32 for the gradient partials")
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if block_size is not None:
@@ -110,7 +114,8 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     ``max_stages``: upper bound on communication stages for dcp/fcp (stage 0 excluded).
     ``grad_comm_dtype``: dtype of the dQ / dK / dV partials sent back to the blocks' homes, which sum
     them in fp32. fp32 (default) keeps the backward as exact as on one device; torch.bfloat16 halves
-    the backward's largest transfers for one rounding per partial (as TransformerEngine's CP sends dK/dV).
+    the backward's largest transfers for one rounding per partial (as TransformerEngine's CP sends dK/dV);
+    torch.float16 only with dtype=torch.float16 (its range could overflow otherwise).
     ``check``: verify the plan's consistency (planner/schedule.py ``check_plan``) before returning.
     To keep planning out of the training step, plan the next batches ahead with ``PlanAhead``
     (planner/ahead.py), which runs this function in a worker process.

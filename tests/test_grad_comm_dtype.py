@@ -69,3 +69,10 @@ def test_unsupported_grad_comm_dtype_is_refused(bad):
         make_plan(MaskSpec.causal(64), 2, grad_comm_dtype=bad, **HEADS)
     with pytest.raises(TypeError, match="grad_comm_dtype"):
         PlanAhead(2, grad_comm_dtype=bad, num_q_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def test_fp16_partials_only_for_fp16_models():
+    with pytest.raises(ValueError, match="grad_comm_dtype=torch.float16 needs dtype=torch.float16"):
+        make_plan(MaskSpec.causal(64), 2, dtype=torch.bfloat16, grad_comm_dtype=torch.float16, **HEADS)
+    plan = make_plan(MaskSpec.causal(64), 2, dtype=torch.float16, grad_comm_dtype=torch.float16, **HEADS)
+    assert plan.grad_comm_dtype == torch.float16
