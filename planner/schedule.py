@@ -148,19 +148,19 @@ def receive_groups(rank: np.ndarray, block: np.ndarray, stage: np.ndarray, num_b
     """Unique (rank, block) pairs, ascending by ``rank * nB + block``, with the first and last stage in
     which they occur (for the remote inputs of tiles: one receive group each, one CommSchedule row).
 
-    Dense over the [P, nB] grid instead of sorting the (large) tile arrays: entries are written in
-    stage order, so the last write to a cell is the latest stage (and in reverse order the earliest).
+    Dense over the [P, nB] grid (min / max of the stages per cell) instead of sorting the (large) tile
+    arrays.
     """
     if rank.size == 0:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty, empty
     key = rank * num_blocks + block
     size = int(key.max()) + 1
-    by_stage = np.argsort(stage.astype(np.int16) if stage.max() < 2**15 else stage, kind="stable")
-    first = np.empty(size, dtype=np.int64)
-    last = np.empty(size, dtype=np.int64)
-    first[key[by_stage[::-1]]] = stage[by_stage[::-1]]
-    last[key[by_stage]] = stage[by_stage]
+    stage = np.asarray(stage, dtype=np.int64)
+    first = np.full(size, np.iinfo(np.int64).max, dtype=np.int64)
+    last = np.full(size, np.iinfo(np.int64).min, dtype=np.int64)
+    np.minimum.at(first, key, stage)
+    np.maximum.at(last, key, stage)
     present = np.zeros(size, dtype=bool)
     present[key] = True
     uniq = np.flatnonzero(present)
