@@ -247,7 +247,7 @@ def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank
         return stage
     idx = np.flatnonzero(movable)
     key = rank[idx] * nB + (nB - 1 - kv[idx])  # per rank, latest kv-block first
-    groups, of_tile = np.unique(key, return_inverse=True)
+    groups, of_tile = _dense_unique(key)
     group_rank = groups // nB
     group_c = np.bincount(of_tile, weights=compute[idx], minlength=groups.size)
     chosen = _grouped_cumsum(group_rank, group_c) <= take[group_rank]
