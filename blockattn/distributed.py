@@ -96,13 +96,6 @@ def _token_rows(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(starts, lens) + offsets
 
 
-def _payload_bytes(kind: int, ntok: int, hq: int, hkv: int, d: int, esize: int, grad_esize: int) -> int:
-    """Bytes of `ntok` tokens of `kind` on the wire (matches planner.schedule.payload_bytes)."""
-    q, kv = ntok * hq * d, 2 * ntok * hkv * d
-    return (q * esize, kv * esize, q * esize + ntok * hq * 4, q * esize + 2 * ntok * hq * 4, q * grad_esize,
-            kv * grad_esize)[kind]
-
-
 def _partial_bits_index(bm, tq: torch.Tensor, tkv: torch.Tensor) -> torch.Tensor | None:
     """Position of each tile in the BlockMask's q-major partial list (the KernelMask.bits index), -1 for
     FULL tiles; None when the mask has intervals (kernels then need no bits)."""
@@ -216,17 +209,15 @@ def build_rank_program(plan, me: int, bm, device: torch.device) -> RankProgram:
     stages = tuple(stage_lists(plan.tile_stage.to(torch.int64), s, False) for s in range(S))
     stages_bwd = tuple(stage_lists(plan.tile_stage_bwd.to(torch.int64), s, True) for s in range(S))
 
-    esize = torch.empty((), dtype=plan.dtype).element_size()
-    dims = (plan.num_q_heads, plan.num_kv_heads, plan.head_dim, esize,
-            torch.empty((), dtype=plan.grad_comm_dtype).element_size())
     exchanges, planned = {}, {}
     for direction, table in (("fwd", fwd), ("bwd", bwd)):
         _check_stages(plan, direction, table)
+        # payload bytes of every row by the plan's own rule (planner/schedule.py payload_bytes, as stats())
+        nbytes = torch.from_numpy(plan.transfer_bytes(direction))
         exchanges[direction] = tuple(
-            _exchange(table, direction, j, me, q_row, kv_row, lens, dims, device)
+            _exchange(table, nbytes, direction, j, me, q_row, kv_row, lens, device)
             for j in range(S + 1))
-        planned[direction] = sum(
-            _payload_bytes(int(k), int(lens[b]), *dims) for k, b in table[table[:, 1] == me][:, 3:5].tolist())
+        planned[direction] = int(nbytes[table[:, 1] == me].sum())
     return RankProgram(me, n_local, q_end, kv_end, stages, stages_bwd, exchanges, planned, plan.grad_comm_dtype)
 
 
@@ -242,18 +233,21 @@ def _check_stages(plan, direction: str, table: torch.Tensor) -> None:
                          f"outside the executor's range (inputs 1..{S - 1}, results 1..{S})")
 
 
-def _exchange(table, direction, j, me, q_row, kv_row, lens, dims, device) -> _Exchange:
-    """Exchange j of `direction`: inputs of stage j + 1 and results of stage j, as sections per peer."""
+def _exchange(table, table_nbytes, direction, j, me, q_row, kv_row, lens, device) -> _Exchange:
+    """Exchange j of `direction`: inputs of stage j + 1 and results of stage j, as sections per peer
+    (``table_nbytes``: the payload bytes of every row of ``table``)."""
     is_input = torch.isin(table[:, 3], torch.tensor(_INPUT_KINDS[direction]))
     in_ex = (is_input & (table[:, 0] == j + 1)) | (~is_input & (table[:, 0] == j))
-    rows = table[in_ex & ((table[:, 1] == me) | (table[:, 2] == me))]
+    mine = in_ex & ((table[:, 1] == me) | (table[:, 2] == me))
+    rows, row_nbytes = table[mine], table_nbytes[mine]
     sends, recvs, recv_nbytes, send_nbytes = {}, {}, {}, {}
     for sending in (True, False):
-        side = rows[rows[:, 1] == me] if sending else rows[rows[:, 2] == me]
+        on_side = rows[:, 1] == me if sending else rows[:, 2] == me
+        side, side_nbytes = rows[on_side], row_nbytes[on_side]
         peer_col = 2 if sending else 1
         for peer in torch.unique(side[:, peer_col]).tolist():
             msg = side[side[:, peer_col] == peer]
-            sections, nbytes = [], 0
+            sections, nbytes = [], int(side_nbytes[side[:, peer_col] == peer].sum())
             # rows are sorted by (stage, src, dst, kind, block): each (stage, kind) group is contiguous
             group_key = msg[:, 0] * 8 + msg[:, 3]
             for key in torch.unique_consecutive(group_key).tolist():
@@ -269,7 +263,6 @@ def _exchange(table, direction, j, me, q_row, kv_row, lens, dims, device) -> _Ex
                                      f"{KIND_NAMES[kind]} blocks {blocks[starts < 0].tolist()}")
                 tok = _token_rows(starts, lens[blocks])
                 sections.append(_Section(kind, blocks, tok.to(device)))
-                nbytes += _payload_bytes(kind, tok.numel(), *dims)
             (sends if sending else recvs)[peer] = sections
             (send_nbytes if sending else recv_nbytes)[peer] = nbytes
     return _Exchange(sends, recvs, recv_nbytes, send_nbytes)
