@@ -101,7 +101,7 @@ def literal_zigzag_ring(plan_zigzag, topology: Topology) -> dict:
     # backward: the dK/dV accumulator (fp32, or the plan's grad_comm_dtype) follows the KV shard around
     # the ring, one exchange behind (computed in step j, sent in exchange j + 1), and makes one last hop
     # home after the last step
-    grad_esize = torch.empty((), dtype=p.grad_comm_dtype).element_size()
+    grad_esize = p.grad_comm_dtype.itemsize
     comm_bwd = comm.copy()
     comm_bwd[:, 1:] += step * grad_esize / esize
     bwd = cm.overlapped_time(compute * cm.bwd_flops_factor, comm_bwd).max()

@@ -141,7 +141,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     cost_model = CostModel(topology=topology)
     placement = _strategies()[strategy](
         tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, element_size=_element_size(dtype), grad_element_size=_element_size(grad_comm_dtype),
+        head_dim=head_dim, element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize,
         max_stages=max_stages)
     plan = build_plan(tiles, placement, strategy=strategy, world_size=world_size, num_q_heads=num_q_heads,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
@@ -159,10 +159,6 @@ def clear_plan_cache() -> None:
     _cache.clear()
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_size: int, num_q_heads: int,
                num_kv_heads: int, head_dim: int, dtype: torch.dtype, mask_signature: str,
                cost_model: CostModel, grad_comm_dtype: torch.dtype = torch.float32) -> Plan:
@@ -176,7 +172,7 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
         # backward stages by what each tile sends and needs (planner/stages.py), local tiles spread
         # where the backward's transfers would be exposed; the forward stages stay as planned
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     element_size=_element_size(dtype), grad_element_size=_element_size(grad_comm_dtype))
+                     element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize)
         done = finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes,
                                 kv_relay=relay if relay.shape[0] else None, spread_forward=False, score=False)
         schedule, stage_bwd = done.schedule, done.tile_stage_bwd

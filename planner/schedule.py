@@ -138,8 +138,8 @@ class CommSchedule:
             num_q_heads=plan.num_q_heads,
             num_kv_heads=plan.num_kv_heads,
             head_dim=plan.head_dim,
-            element_size=torch.empty((), dtype=plan.dtype).element_size(),
-            grad_element_size=torch.empty((), dtype=plan.grad_comm_dtype).element_size(),
+            element_size=plan.dtype.itemsize,
+            grad_element_size=plan.grad_comm_dtype.itemsize,
         )
         return int(out[0]) if single else out
 

@@ -113,8 +113,7 @@ def _balanced_without_relays(spec, world, *, init, ranks_per_node, num_q_heads, 
     from blockattn.planner.tiles import TileSet
 
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                 element_size=torch.empty((), dtype=dtype).element_size(),
-                 grad_element_size=torch.empty((), dtype=grad_comm_dtype).element_size())
+                 element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize)
     kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, grad_comm_dtype=grad_comm_dtype,
               dtype=dtype, world_size=world, mask_signature=spec.signature())
     cost_model = CostModel(topology=Topology(ranks_per_node=ranks_per_node, inter_bw=inter_bw))
