@@ -9,36 +9,21 @@ import numpy as np
 import pytest
 import torch
 
+from test_distributed import random_plan
+
 from blockattn.masks import MaskSpec
 from blockattn.planner import PlanAhead, Topology, check_plan, clear_plan_cache, make_plan
-from blockattn.planner.api import build_plan
-from blockattn.planner.cost_model import CostModel
-from blockattn.planner.placement import Placement
 from blockattn.planner.schedule import KIND_DKV, KIND_DQ
-from blockattn.planner.tiles import TileSet
 
 HEADS = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
 
 
-def _random_placement_plan(spec, world, grad_comm_dtype):
-    """A plan whose tiles run away from their q-block's home too, so dO rows travel beside the partials."""
-    tiles = TileSet.from_block_mask(spec.block_mask(HEADS["block_size"]))
-    rng = np.random.default_rng(0)
-    home = rng.integers(0, world, tiles.num_blocks)
-    rank = rng.integers(0, world, tiles.num_tiles)
-    at_home = (home[tiles.q] == rank) & (home[tiles.kv] == rank)
-    stage = np.where(at_home, 0, rng.integers(1, 3, tiles.num_tiles))
-    heads = {k: v for k, v in HEADS.items() if k != "block_size"}
-    return build_plan(tiles, Placement(home, rank, stage), strategy="random", world_size=world, dtype=torch.bfloat16,
-                      mask_signature=spec.signature(), cost_model=CostModel(), grad_comm_dtype=grad_comm_dtype,
-                      **heads)
-
-
 def test_gradient_partials_are_counted_in_grad_comm_dtype():
     spec = MaskSpec.documents([70, 13, 120, 1, 55, 40])
-    # one placement, priced with both dtypes: the same rows
-    f32, bf16 = (_random_placement_plan(spec, 4, g) for g in (torch.float32, torch.bfloat16))
-    check_plan(bf16)
+    # one random placement (tiles away from their q-block's home too, so dO rows travel beside the
+    # partials), priced with both dtypes: the same rows
+    f32, bf16 = (random_plan(spec, 4, seed=0, dtype=torch.bfloat16, grad_comm_dtype=g, **HEADS)
+                 for g in (torch.float32, torch.bfloat16))  # (check_plan runs inside)
     assert torch.equal(f32.schedule.fwd, bf16.schedule.fwd) and torch.equal(f32.schedule.bwd, bf16.schedule.bwd)
     kinds = f32.schedule.bwd[:, 3].numpy()
     grads = np.isin(kinds, (KIND_DQ, KIND_DKV))
