@@ -27,6 +27,12 @@ into a node once, into a proxy rotating with the block (a node's NICs share the 
 reaches the node's other readers over NVLink. Without it, the rank that first reads a long document's
 remote KV on a node carries all of it on its own NIC, and cannot shed work to node-mates that
 would each pull the same KV again.
+
+``spread_sends`` (with ``relay_aware``) prices the sending side the same way: a block leaving its
+home's node goes out through a node-mate's NIC, rotating with the block and the receiving node, after
+an NVLink hop from the home (the home-side transit relays of planner/relay.py ``add_transit``).
+Without it, the homes of a long document that many ranks on other nodes read look NIC-bound and
+stop shedding its rows, however many idle NICs their node has.
 """
 
 from __future__ import annotations
@@ -50,13 +56,14 @@ class Balancer:
 
     def __init__(self, tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology, *,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, grad_element_size: int = 4,
-                 relay_aware: bool = False, start: np.ndarray | None = None):
+                 relay_aware: bool = False, spread_sends: bool = False, start: np.ndarray | None = None):
         P, nB = world_size, tiles.num_blocks
         self.t, self.home, self.c, self.P, self.nB = tiles, home, compute, P, nB
         self.node = topology.node_of(np.arange(P))
         self.bw = np.array([topology.intra_bw, topology.inter_bw])
         self.multi_node = bool(self.node.max() > 0)
         self.relay_aware = relay_aware and self.multi_node
+        self.spread_sends = spread_sends and self.relay_aware
         lens = tiles.block_lengths()
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                      grad_element_size=grad_element_size)
@@ -116,7 +123,16 @@ class Balancer:
                 cross_kv = kv[fresh][first]
                 cross_node = nd[fresh][first]
                 proxy = self.node_start[cross_node] + cross_kv % self.node_size[cross_node]
-                np.add.at(self.send, (self.home[cross_kv], np.ones_like(cross_kv)), self.kv_bytes[cross_kv])
+                sender = self.home[cross_kv]
+                if self.spread_sends:
+                    home_node = self.node[sender]
+                    mate = self.node_start[home_node] + (cross_kv + cross_node) % self.node_size[home_node]
+                    hop = mate != sender
+                    nvlink = np.zeros(int(hop.sum()), dtype=np.int64)
+                    np.add.at(self.send, (sender[hop], nvlink), self.kv_bytes[cross_kv[hop]])
+                    np.add.at(self.recv, (mate[hop], nvlink), self.kv_bytes[cross_kv[hop]])
+                    sender = mate
+                np.add.at(self.send, (sender, np.ones_like(cross_kv)), self.kv_bytes[cross_kv])
                 np.add.at(self.recv, (proxy, np.ones_like(cross_kv)), self.kv_bytes[cross_kv])
                 self.node_kv[cross_node, cross_kv] = proxy
             holder = self.node_kv[nd, kv]

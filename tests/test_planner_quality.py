@@ -339,6 +339,92 @@ def test_relay_aware_balancer_prices_kv_held_on_the_node_as_nvlink():
     assert aware.node_kv[1, 0] == 2 and aware.node_kv[0, 3] == -1
 
 
+
+def test_spread_sends_prices_a_homes_inter_node_kv_on_a_node_mate():
+    """The batch above, with the sending side spread too: block 0's one NIC copy into node 1 leaves
+    node 0 through rank 1 (the node-mate it rotates to), after an NVLink hop from its home, rank 0."""
+    from blockattn.planner.balance import Balancer
+    from blockattn.planner.tiles import TileSet
+
+    spec = MaskSpec.from_mask_mod(lambda q, k: (k < 8) | (k // 8 == q // 8), 32)
+    tiles = TileSet.from_block_mask(spec.block_mask(8))
+    home = np.arange(4)
+    topo = Topology(ranks_per_node=2)
+    sizes = dict(num_q_heads=2, num_kv_heads=1, head_dim=8, element_size=2)
+    kv = float(payload_bytes(KIND_KV, np.array([8]), **sizes)[0])
+    aware = Balancer(tiles, home, np.ones(tiles.num_tiles), 4, topo, relay_aware=True, **sizes)
+    spread = Balancer(tiles, home, np.ones(tiles.num_tiles), 4, topo, relay_aware=True, spread_sends=True, **sizes)
+    assert aware.send[:, 1].tolist() == [kv, 0, 0, 0]
+    assert spread.send[:, 1].tolist() == [0, kv, 0, 0]  # link columns: 0 NVLink, 1 NIC
+    assert spread.recv[:, 1].tolist() == aware.recv[:, 1].tolist()
+    assert spread.send[0, 0] == aware.send[0, 0] + kv and spread.recv[1, 0] == aware.recv[1, 0] + kv
+    # one node: nothing crosses, nothing to spread
+    single = Balancer(tiles, home, np.ones(tiles.num_tiles), 4, Topology(ranks_per_node=4), relay_aware=True,
+                      spread_sends=True, **sizes)
+    assert not single.spread_sends and single.send[:, 1].sum() == 0
+
+
+def test_spread_sends_let_the_homes_of_a_long_document_shed_it_to_other_nodes():
+    """A 16K-token causal document over two of four nodes (two ranks each): the relay-aware balancer
+    prices its homes' KV sends to other nodes on their own NICs and stops shedding; priced over their
+    node's NICs, as home-side transit relays then send them, they shed more."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.balance import Balancer
+    from blockattn.planner.tiles import TileSet
+
+    spec = MaskSpec.documents([16000] + [500] * 32)
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    cm = CostModel(topology=Topology(ranks_per_node=2))
+    sizes = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, element_size=2)
+    home = dcp_module._initial_home(tiles, 8, "hierarchical", cm, sizes)
+    compute = cm.tile_flops(tiles.pairs, num_q_heads=32, head_dim=128) / cm.fwd_rate
+
+    def peak(**pricing):
+        rank = Balancer(tiles, home, compute, 8, cm.topology, **pricing, **sizes).run()
+        load = np.bincount(rank, weights=compute, minlength=8)
+        return load.max() / load.mean()
+
+    assert peak(relay_aware=True, spread_sends=True) < 0.95 * peak(relay_aware=True)
+
+
+def test_second_opinion_keeps_the_faster_plan(monkeypatch):
+    """A 12K-token document in 24K tokens on three nodes of two ranks: the first plan is ~1.9x the
+    bound, so dcp plans again with spread sends (from "hierarchical" and from the first plan's homes),
+    and keeps the faster, here the second, consistent plan."""
+    from blockattn.planner import check_plan, clear_plan_cache
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.relay import add_transit
+    from blockattn.planner.tiles import TileSet
+
+    spec = MaskSpec.documents([12000, 2552, 2127, 2171, 1288, 2650, 578, 1210])
+    topo = Topology(ranks_per_node=2)
+
+    def plan():
+        clear_plan_cache()
+        return make_plan(spec, 6, block_size=128, topology=topo, **HEADS)
+
+    threshold = dcp_module.SECOND_OPINION
+    final = plan()
+    check_plan(final)
+    monkeypatch.setattr(dcp_module, "SECOND_OPINION", float("inf"))
+    first = plan()
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    cm = CostModel(topology=topo)
+    sizes = dict(element_size=2, grad_element_size=4, **HEADS)
+    bound = dcp_module._lower_bound(tiles, 6, cm, sizes)
+    second = dcp_module._scored(tiles, dcp_module._dcp(tiles, 6, cm, 4, sizes, None,
+                                                       second_opinion=first.block_home.numpy()), 6, cm, sizes)
+    second = add_transit(tiles, second, world_size=6, cost_model=cm, sizes=sizes)
+
+    def time(p):
+        st = p.stats()
+        return st["sim_time_fwd"] + st["sim_time_bwd"]
+
+    assert time(first) > threshold * bound  # (so the second opinion is asked for)
+    assert second.sim_time < 0.95 * time(first)
+    assert time(final) == pytest.approx(min(time(first), second.sim_time), rel=1e-9)
+    clear_plan_cache()
+
 @pytest.mark.parametrize("mask", ["causal_blockwise", "shared_question"])
 def test_relay_aware_rebalancing_only_replaces_a_slower_plan(mask):
     from blockattn.planner import dcp as dcp_module
