@@ -32,7 +32,9 @@ would each pull the same KV again.
 home's node goes out through a node-mate's NIC, rotating with the block and the receiving node, after
 an NVLink hop from the home (the home-side transit relays of planner/relay.py ``add_transit``).
 Without it, the homes of a long document that many ranks on other nodes read look NIC-bound and
-stop shedding its rows, however many idle NICs their node has.
+stop shedding its rows, however many idle NICs their node has. A donor still bound by its transfers
+then sheds compute where they do not grow (``_shed_behind_transfers``), since the stages overlap its
+transfers with only part of its compute.
 """
 
 from __future__ import annotations
@@ -198,9 +200,27 @@ class Balancer:
         before = max(self.time(r), self.time(t))
         k = int(np.argmin(obj))
         if obj[k] >= before * (1 - 1e-6):
-            return False
+            if not self.spread_sends:
+                return False
+            k = self._shed_behind_transfers(r, t, cum_c, r_send, r_recv, obj, before)
+            if k < 0:
+                return False
         self._apply(cand[: k + 1], r, t)
         return True
+
+    def _shed_behind_transfers(self, r: int, t: int, cum_c: np.ndarray, r_send: np.ndarray, r_recv: np.ndarray,
+                               obj: np.ndarray, before: float) -> int:
+        """Prefix (index, -1 for none) that a donor bound by its transfers still sheds, with
+        ``spread_sends``: max(C, X) sees no gain, but the stages overlap its transfers with only part of
+        its compute, so less compute shortens it. Taken where r's transfers do not grow (e.g. rows to
+        a node-mate over NVLink while r's NIC is the bound), the pair's max(C, X) does not grow and the
+        target stays within the cap (``obj`` is inf past it), evening out the two ranks' compute."""
+        links = r_send.shape[1]
+        comm_before = float(self._comm(self.send[r : r + 1, :links], self.recv[r : r + 1, :links])[0])
+        ok = (self._comm(r_send, r_recv) <= comm_before * (1 + 1e-9)) & (obj <= before * (1 + 1e-9))
+        spread = np.where(ok, np.maximum(self.C[r] - cum_c, self.C[t] + cum_c), np.inf)
+        k = int(np.argmin(spread))
+        return k if spread[k] < self.C[r] * (1 - 1e-6) else -1
 
     def _apply(self, idx: np.ndarray, r: int, t: int) -> None:
         kv = self.t.kv[idx]

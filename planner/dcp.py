@@ -111,11 +111,12 @@ RELAY_AWARE_INITS = ("hierarchical",)
 # with the homes' inter-node KV sends priced as spread over their node's NICs (``Balancer(spread_sends=
 # True)``, which home-side transit relays then realize), from RELAY_AWARE_INITS and from the first
 # plan's homes, refined and transit-relayed alike; the faster of the two plans is kept. It pays where a
-# document needs several nodes' compute: 1M tokens / 64 ranks, five Wikipedia batches, fp32 partials:
-# 2.17 -> 1.80, 1.91 -> 1.61, 3.17 -> 2.44, 1.76 -> 1.66 x the bound, one unchanged (1.58). Over the
-# 128K benchmark cases it rarely fires, and gains little below 1.5 (1.15: 32/8 geomean 1.242 -> 1.240
-# for +35% planning time).
-SECOND_OPINION = 1.5
+# document needs more than its homes' node can compute. 1M tokens / 64 ranks, seven Wikipedia batches
+# (fp32 partials): 2.17 -> 1.50, 1.91 -> 1.56, 1.37 -> 1.23, 1.45 -> 1.28, 3.17 -> 2.25, 1.76 -> 1.66 x
+# the bound, one unchanged (1.58), for 1.6-2.6 -> 2.5-4.1 s of planning. On the 128K benchmark cases
+# (bf16 partials) 32/8 goes 1.241 -> 1.228 for +6% planning time; from 1.15 on: 1.226 for +29%, from
+# 1.5 on: nothing.
+SECOND_OPINION = 1.25
 # A q-row with more than HOT_ROW times the mean row's pairs, read from more than HOT_SPAN of the blocks, is
 # "hot" (causal_blockwise's last block reads the whole sequence): batches with hot rows also get the
 # "dealt" candidate (``dealt_home``). On the benchmark's document masks it never won, hence the span.

@@ -387,6 +387,29 @@ def test_spread_sends_let_the_homes_of_a_long_document_shed_it_to_other_nodes():
     assert peak(relay_aware=True, spread_sends=True) < 0.95 * peak(relay_aware=True)
 
 
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_a_donor_bound_by_its_nic_sheds_compute_to_a_node_mate_only_with_spread_sends(spread):
+    """Rank 0 holds q-blocks 0-1 of a causal 32-token sequence (3 tiles of 1 s; mean 2.5 s) and its NIC
+    is busy for 20 s: max(C, X) sees no gain in moving a tile to its idle node-mate (the NIC stays the
+    bound), so the plain relay-aware balancer keeps it; with spread_sends the move is taken, since it
+    leaves the NIC as it is and the stages hide transfers behind only part of the compute."""
+    from blockattn.planner.balance import Balancer
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.causal(32).block_mask(8))
+    home = np.array([0, 0, 2, 3])
+    sizes = dict(num_q_heads=2, num_kv_heads=1, head_dim=8, element_size=2)
+    b = Balancer(tiles, home, np.ones(tiles.num_tiles), 4, Topology(ranks_per_node=2), relay_aware=True,
+                 spread_sends=spread, **sizes)
+    assert b.C.tolist() == [3, 0, 3, 4]
+    b.send[0, 1] = 20 * Topology().inter_bw  # 20 s of NIC sends (column 1)
+    mine = np.flatnonzero(b.rank == 0)[::-1]  # latest row first
+    moved = b.try_move(mine, 0, 1)
+    assert moved == spread
+    assert b.C.tolist() == ([2, 1, 3, 4] if spread else [3, 0, 3, 4])
+    assert b.send[0, 1] == 20 * Topology().inter_bw  # the NIC untouched either way
+
 def test_second_opinion_keeps_the_faster_plan(monkeypatch):
     """A 12K-token document in 24K tokens on three nodes of two ranks: the first plan is ~1.9x the
     bound, so dcp plans again with spread sends (from "hierarchical" and from the first plan's homes),
