@@ -113,7 +113,7 @@ RELAY_AWARE_INITS = ("hierarchical",)
 # plan's homes, refined and transit-relayed alike; the faster of the two plans is kept. It pays where a
 # document needs more than its homes' node can compute. 1M tokens / 64 ranks, seven Wikipedia batches
 # (fp32 partials): 2.17 -> 1.50, 1.91 -> 1.56, 1.37 -> 1.23, 1.45 -> 1.28, 3.17 -> 2.25, 1.76 -> 1.66 x
-# the bound, one unchanged (1.58), for 1.6-2.6 -> 2.5-4.1 s of planning. On the 128K benchmark cases
+# the bound, one unchanged (1.58), for 1.3-2.3 -> 2.0-3.8 s of planning. On the 128K benchmark cases
 # (bf16 partials) 32/8 goes 1.241 -> 1.228 for +6% planning time; from 1.15 on: 1.226 for +29%, from
 # 1.5 on: nothing.
 SECOND_OPINION = 1.25
@@ -304,11 +304,11 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     # finalists: (placement, balanced relay-aware already)
     finalists = [(placement, False) for _, _, placement in sorted(planned, key=lambda item: item[:2])[:RELAY_TOP]]
     if second_opinion is not None:
-        spread = dict(relays=relays, relay_aware=True, spread_sends=True)
-        finalists = [(_place(tiles, world_size, name, cost_model, max_stages, sizes, **spread)[0], True)
-                     for name in RELAY_AWARE_INITS]
-        finalists.append((_place(tiles, world_size, None, cost_model, max_stages, sizes, home=second_opinion,
-                                 **spread)[0], True))
+        homes = [_initial_home(tiles, world_size, name, cost_model, sizes) for name in RELAY_AWARE_INITS]
+        if not any(np.array_equal(home, second_opinion) for home in homes):  # (often the first plan's own)
+            homes.append(second_opinion)
+        finalists = [(_place(tiles, world_size, None, cost_model, max_stages, sizes, home=home, relays=relays,
+                             relay_aware=True, spread_sends=True)[0], True) for home in homes]
     elif multi_node and min(t for t, _, _ in planned) > good_enough:
         if relays:
             finalists = [(add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
