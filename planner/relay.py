@@ -426,7 +426,8 @@ class _Scorer:
             # Only the delayed (rank, block) pairs' tiles move; every other kv first need, in particular
             # each proxy's, is unchanged, so the relays' "held strictly before" conditions stay true.
             to = cand.proxy_first[delay] + 1
-            target = np.full(self.P * nB, -1, dtype=np.int64)
+            target = np.empty(self.P * nB, dtype=np.int64)  # only the kv tiles' cells are written and read
+            target[self.kv_tile_key] = -1
             target[cand.dst[delay] * nB + cand.block[delay]] = to
             new = target[self.kv_tile_key]
             later = new > stage[self.kv_tiles]

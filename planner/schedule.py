@@ -157,8 +157,11 @@ def receive_groups(rank: np.ndarray, block: np.ndarray, stage: np.ndarray, num_b
     key = rank * num_blocks + block
     size = int(key.max()) + 1
     stage = np.asarray(stage, dtype=np.int64)
-    first = np.full(size, np.iinfo(np.int64).max, dtype=np.int64)
-    last = np.full(size, np.iinfo(np.int64).min, dtype=np.int64)
+    # only the cells of present keys are initialized and read (filling all P * nB costs more at 1M/64)
+    first = np.empty(size, dtype=np.int64)
+    last = np.empty(size, dtype=np.int64)
+    first[key] = np.iinfo(np.int64).max
+    last[key] = np.iinfo(np.int64).min
     np.minimum.at(first, key, stage)
     np.maximum.at(last, key, stage)
     present = np.zeros(size, dtype=bool)

@@ -169,8 +169,10 @@ def _dense_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(keys, return_inverse=True)`` for small non-negative ints, by a presence table."""
     present = np.zeros(int(keys.max()) + 1, dtype=bool)
     present[keys] = True
-    index = np.cumsum(present) - 1
-    return np.flatnonzero(present), index[keys]
+    uniq = np.flatnonzero(present)
+    index = np.empty(present.size, dtype=np.int64)  # only the present cells are written and read
+    index[uniq] = np.arange(uniq.size)
+    return uniq, index[keys]
 
 
 def _max_over_items(n: int, tile_idx: np.ndarray, value: np.ndarray, remote_q: np.ndarray, fill: int) -> np.ndarray:
