@@ -217,6 +217,7 @@ def main() -> None:
     report = {"config": {"heads": HEADS, "dtype": "bfloat16", "grad_comm_dtype": args.grad_comm_dtype, "block_size": BLOCK, "tokens": T, "quick": args.quick,
                          "seed": args.seed, "host": platform.node(), "cpu_threads": torch.get_num_threads()},
               "results": results, "planning_time": timing, "summary": summary(results),
+              "by_configuration": by_configuration(results),
               "step_over_lower_bound_by_nic_speed": nic}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -261,8 +262,43 @@ def summary(results: list) -> dict:
     return out
 
 
+def by_configuration(results: list) -> dict:
+    """Per world size / ranks per node (the README's tables), forward + backward: dcp time over the
+    lower bound (geomean, max, and time-weighted: the sum of dcp's times over the sum of the bounds,
+    what a run over these batches spends in attention), speedups over zigzag and zigzag-ring
+    (geomean), and dcp's forward bytes over theirs (geomean)."""
+    out = {}
+    for P, rpn in sorted({(r["world_size"], r["ranks_per_node"]) for r in results}):
+        rows = [r for r in results if (r["world_size"], r["ranks_per_node"]) == (P, rpn)]
+        s = lambda name, key: np.array([r["strategies"][name][key] for r in rows], dtype=np.float64)  # noqa: E731
+        step = lambda name: s(name, "sim_time_fwd") + s(name, "sim_time_bwd")  # noqa: E731
+        bound = s("dcp", "lower_bound_fwd") + s("dcp", "lower_bound_bwd")
+        geo = lambda x: float(np.exp(np.mean(np.log(x))))  # noqa: E731
+        out[f"{P}/{rpn}"] = {
+            "cases": len(rows),
+            "dcp_over_lower_bound_geomean": geo(step("dcp") / bound),
+            "dcp_over_lower_bound_max": float((step("dcp") / bound).max()),
+            "dcp_over_lower_bound_time_weighted": float(step("dcp").sum() / bound.sum()),
+            "dcp_imbalance_max": float(s("dcp", "compute_imbalance").max()),
+            "speedup_vs_zigzag_geomean": geo(step("zigzag") / step("dcp")),
+            "speedup_vs_zigzag_min": float((step("zigzag") / step("dcp")).min()),
+            "speedup_vs_zigzag_ring_geomean": geo(step("zigzag-ring") / step("dcp")),
+            "bytes_over_zigzag_geomean": geo(np.maximum(1, s("dcp", "bytes_fwd")) / np.maximum(1, s("zigzag", "bytes_fwd"))),
+            "bytes_over_zigzag_ring_geomean": geo(s("dcp", "bytes_fwd") / s("zigzag-ring", "bytes_fwd")),
+        }
+    return out
+
+
 def print_report(report: dict) -> None:
-    print("forward + backward (a training step):")
+    print("forward + backward (a training step), per configuration:")
+    print(f"{'P/per node':10s} {'cases':>5s} {'dcp/LB':>7s} {'max':>6s} {'weighted':>8s} {'zz/dcp':>7s} {'min':>6s} "
+          f"{'zzR/dcp':>8s} {'B/zz':>6s} {'B/zzR':>6s}")
+    for cfg, c in report["by_configuration"].items():
+        print(f"{cfg:10s} {c['cases']:5d} {c['dcp_over_lower_bound_geomean']:7.3f} {c['dcp_over_lower_bound_max']:6.2f} "
+              f"{c['dcp_over_lower_bound_time_weighted']:8.3f} {c['speedup_vs_zigzag_geomean']:7.2f} "
+              f"{c['speedup_vs_zigzag_min']:6.2f} {c['speedup_vs_zigzag_ring_geomean']:8.2f} "
+              f"{c['bytes_over_zigzag_geomean']:6.2f} {c['bytes_over_zigzag_ring_geomean']:6.2f}")
+    print("forward + backward (a training step), per mask:")
     print(f"{'mask':18s} {'cases':>5s} {'zz/dcp':>7s} {'min':>6s} {'zzR/dcp':>8s} {'dcp/LB':>7s}")
     for mask, s in report["summary"].items():
         print(f"{mask:18s} {s['cases']:5d} {s['step_speedup_vs_zigzag_geomean']:7.2f} {s['step_speedup_vs_zigzag_min']:6.2f} "
