@@ -1,0 +1,53 @@
+"""The planner benchmark's per-configuration summary (the README's tables) computes what it says."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench_planner():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_planner", ROOT / "bench" / "bench_planner.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return mod
+
+
+def _case(P, rpn, dcp_fwd, dcp_bwd, bound_fwd, bound_bwd, zigzag, ring, dcp_bytes, zz_bytes, ring_bytes):
+    def strategy(fwd, bwd, nbytes, imbalance=1.0):
+        return {"sim_time_fwd": fwd, "sim_time_bwd": bwd, "lower_bound_fwd": bound_fwd, "lower_bound_bwd": bound_bwd,
+                "bytes_fwd": nbytes, "compute_imbalance": imbalance}
+
+    return {"world_size": P, "ranks_per_node": rpn, "strategies": {
+        "dcp": strategy(dcp_fwd, dcp_bwd, dcp_bytes, 1.1), "zigzag": strategy(zigzag, 0.0, zz_bytes),
+        "zigzag-ring": strategy(ring, 0.0, ring_bytes)}}
+
+
+def test_by_configuration_geomean_max_and_time_weighted():
+    bench = _bench_planner()
+    results = [
+        # a small batch 2x off its bound and a large one 1.1x off: geomean sqrt(2.2), weighted 12 / 10.5
+        _case(16, 4, 0.5, 0.5, 0.25, 0.25, zigzag=2.0, ring=4.0, dcp_bytes=100, zz_bytes=50, ring_bytes=400),
+        _case(16, 4, 4.0, 7.0, 3.0, 7.0, zigzag=22.0, ring=44.0, dcp_bytes=400, zz_bytes=400, ring_bytes=1600),
+        _case(8, 8, 1.0, 1.0, 1.0, 1.0, zigzag=4.0, ring=4.0, dcp_bytes=1, zz_bytes=1, ring_bytes=1),
+    ]
+    summary = bench.by_configuration(results)
+    assert list(summary) == ["8/8", "16/4"]
+    c = summary["16/4"]
+    assert c["cases"] == 2
+    assert c["dcp_over_lower_bound_geomean"] == pytest.approx(2.2 ** 0.5)
+    assert c["dcp_over_lower_bound_max"] == pytest.approx(2.0)
+    assert c["dcp_over_lower_bound_time_weighted"] == pytest.approx(12.0 / 10.5)
+    assert c["speedup_vs_zigzag_geomean"] == pytest.approx(2.0)  # 2 / 1 and 22 / 11
+    assert c["speedup_vs_zigzag_min"] == pytest.approx(2.0)
+    assert c["speedup_vs_zigzag_ring_geomean"] == pytest.approx(4.0)
+    assert c["bytes_over_zigzag_geomean"] == pytest.approx(2.0 ** 0.5)
+    assert c["bytes_over_zigzag_ring_geomean"] == pytest.approx(0.25)
+    assert c["dcp_imbalance_max"] == pytest.approx(1.1)
+    assert summary["8/8"]["dcp_over_lower_bound_time_weighted"] == pytest.approx(1.0)
