@@ -317,19 +317,24 @@ def test_split_backward_stages_moves_whole_remote_kv_groups_within_the_gap():
     assert split_backward_stages(stage, q, kv, rank, home, compute, comm, world_size=2, num_stages=2) is stage
 
 
+def _two_nodes_reading_block_0():
+    """4 blocks of 8 tokens on 4 ranks (block r on rank r), two nodes of two; every block reads
+    block 0 and itself. Returns tiles, home, topology, sizes and one block's KV bytes."""
+    from blockattn.planner.tiles import TileSet
+
+    spec = MaskSpec.from_mask_mod(lambda q, k: (k < 8) | (k // 8 == q // 8), 32)
+    sizes = dict(num_q_heads=2, num_kv_heads=1, head_dim=8, element_size=2)
+    kv = float(payload_bytes(KIND_KV, np.array([8]), **sizes)[0])
+    return TileSet.from_block_mask(spec.block_mask(8)), np.arange(4), Topology(ranks_per_node=2), sizes, kv
+
+
 def test_relay_aware_balancer_prices_kv_held_on_the_node_as_nvlink():
     """Two nodes of two ranks. Ranks 2 and 3 (node 1) both read KV block 0 (home rank 0, node 0): the
     per-rank view pays the NIC twice; the relay-aware view once, into the proxy the block rotates to
     (rank 2 for block 0), plus one NVLink copy to rank 3."""
     from blockattn.planner.balance import Balancer
-    from blockattn.planner.tiles import TileSet
 
-    spec = MaskSpec.from_mask_mod(lambda q, k: (k < 8) | (k // 8 == q // 8), 32)
-    tiles = TileSet.from_block_mask(spec.block_mask(8))
-    home = np.arange(4)
-    topo = Topology(ranks_per_node=2)
-    sizes = dict(num_q_heads=2, num_kv_heads=1, head_dim=8, element_size=2)
-    kv = float(payload_bytes(KIND_KV, np.array([8]), **sizes)[0])
+    tiles, home, topo, sizes, kv = _two_nodes_reading_block_0()
     plain = Balancer(tiles, home, np.ones(tiles.num_tiles), 4, topo, **sizes)
     aware = Balancer(tiles, home, np.ones(tiles.num_tiles), 4, topo, relay_aware=True, **sizes)
     # link columns: 0 NVLink, 1 NIC
@@ -339,19 +344,12 @@ def test_relay_aware_balancer_prices_kv_held_on_the_node_as_nvlink():
     assert aware.node_kv[1, 0] == 2 and aware.node_kv[0, 3] == -1
 
 
-
 def test_spread_sends_prices_a_homes_inter_node_kv_on_a_node_mate():
     """The batch above, with the sending side spread too: block 0's one NIC copy into node 1 leaves
     node 0 through rank 1 (the node-mate it rotates to), after an NVLink hop from its home, rank 0."""
     from blockattn.planner.balance import Balancer
-    from blockattn.planner.tiles import TileSet
 
-    spec = MaskSpec.from_mask_mod(lambda q, k: (k < 8) | (k // 8 == q // 8), 32)
-    tiles = TileSet.from_block_mask(spec.block_mask(8))
-    home = np.arange(4)
-    topo = Topology(ranks_per_node=2)
-    sizes = dict(num_q_heads=2, num_kv_heads=1, head_dim=8, element_size=2)
-    kv = float(payload_bytes(KIND_KV, np.array([8]), **sizes)[0])
+    tiles, home, topo, sizes, kv = _two_nodes_reading_block_0()
     aware = Balancer(tiles, home, np.ones(tiles.num_tiles), 4, topo, relay_aware=True, **sizes)
     spread = Balancer(tiles, home, np.ones(tiles.num_tiles), 4, topo, relay_aware=True, spread_sends=True, **sizes)
     assert aware.send[:, 1].tolist() == [kv, 0, 0, 0]
@@ -368,23 +366,9 @@ def test_spread_sends_let_the_homes_of_a_long_document_shed_it_to_other_nodes():
     """A 16K-token causal document over two of four nodes (two ranks each): the relay-aware balancer
     prices its homes' KV sends to other nodes on their own NICs and stops shedding; priced over their
     node's NICs, as home-side transit relays then send them, they shed more."""
-    from blockattn.planner import dcp as dcp_module
-    from blockattn.planner.balance import Balancer
-    from blockattn.planner.tiles import TileSet
-
-    spec = MaskSpec.documents([16000] + [500] * 32)
-    tiles = TileSet.from_block_mask(spec.block_mask(128))
-    cm = CostModel(topology=Topology(ranks_per_node=2))
-    sizes = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, element_size=2)
-    home = dcp_module._initial_home(tiles, 8, "hierarchical", cm, sizes)
-    compute = cm.tile_flops(tiles.pairs, num_q_heads=32, head_dim=128) / cm.fwd_rate
-
-    def peak(**pricing):
-        rank = Balancer(tiles, home, compute, 8, cm.topology, **pricing, **sizes).run()
-        load = np.bincount(rank, weights=compute, minlength=8)
-        return load.max() / load.mean()
-
-    assert peak(relay_aware=True, spread_sends=True) < 0.95 * peak(relay_aware=True)
+    docs = [16000] + [500] * 32
+    spread = _balanced_peak(docs, 2, relay_aware=True, spread_sends=True)
+    assert spread < 0.95 * _balanced_peak(docs, 2, relay_aware=True)
 
 
 
@@ -507,23 +491,25 @@ def test_relay_aware_balancing_lets_a_hot_rank_shed_to_its_node_mates():
     end carries most of its compute. Priced per rank, every node-mate it could shed rows to would pull
     the document's other-node KV over its own NIC, so it keeps them; priced per node (KV already on the
     node travels over NVLink, as relays then make it), it sheds them."""
+    docs = [9000] + [300] * 30
+    assert _balanced_peak(docs, 4) > 2.5 and _balanced_peak(docs, 4, relay_aware=True) < 2.0
+
+
+def _balanced_peak(docs: list, ranks_per_node: int, **pricing) -> float:
+    """Max / mean compute over 8 ranks after the Balancer (``pricing``: relay_aware, spread_sends), from
+    the "hierarchical" homes of these causal documents (blocks of 128, Llama-3-8B heads)."""
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.balance import Balancer
     from blockattn.planner.tiles import TileSet
 
-    spec = MaskSpec.documents([9000] + [300] * 30)
-    tiles = TileSet.from_block_mask(spec.block_mask(128))
-    cm = CostModel(topology=Topology(ranks_per_node=4))
-    sizes = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, element_size=2)
+    tiles = TileSet.from_block_mask(MaskSpec.documents(docs).block_mask(128))
+    cm = CostModel(topology=Topology(ranks_per_node=ranks_per_node))
+    sizes = dict(element_size=2, **HEADS)
     home = dcp_module._initial_home(tiles, 8, "hierarchical", cm, sizes)
     compute = cm.tile_flops(tiles.pairs, num_q_heads=32, head_dim=128) / cm.fwd_rate
-
-    def peak(relay_aware):
-        rank = Balancer(tiles, home, compute, 8, cm.topology, relay_aware=relay_aware, **sizes).run()
-        load = np.bincount(rank, weights=compute, minlength=8)
-        return load.max() / load.mean()
-
-    assert peak(False) > 2.5 and peak(True) < 2.0
+    rank = Balancer(tiles, home, compute, 8, cm.topology, **pricing, **sizes).run()
+    load = np.bincount(rank, weights=compute, minlength=8)
+    return load.max() / load.mean()
 
 
 def test_cut_items_by_hand():
