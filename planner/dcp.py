@@ -261,14 +261,18 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
          init: str | None, relays: bool = True, second_opinion: np.ndarray | None = None) -> Placement:
     """dcp's placement before the baseline check and the transit relays. ``relays=False``: without
     node-level relays and the refinements that redo them (the balanced candidates alone).
-    ``second_opinion`` (several nodes; a first plan's block homes): the second opinion, i.e. the
-    ``RELAY_AWARE_INITS`` placements and these homes balanced with the homes' inter-node sends priced
-    on their node's NICs, refined alike, and no other candidate."""
+    ``second_opinion`` (several nodes; a first plan's block homes, or none: empty): the second opinion,
+    i.e. the ``RELAY_AWARE_INITS`` placements and these homes balanced with the homes' inter-node sends
+    priced on their node's NICs, refined alike, and no other candidate."""
     factor = coarsening_factor(tiles, world_size)
     if factor > 1:
         coarse, of_fine = coarsen(tiles, factor)
-        if second_opinion is not None:  # (homes of merged blocks: those of their first block)
-            second_opinion = second_opinion[np.arange(coarse.num_blocks) * factor]
+        if second_opinion is not None and second_opinion.size:
+            # the first plan's homes as merged blocks' homes, where they are whole merged blocks (a
+            # baseline's may not be: then "hierarchical" alone, so memory stays as balanced as planned)
+            merged = second_opinion[np.arange(coarse.num_blocks) * factor]
+            whole = np.array_equal(merged[np.arange(tiles.num_blocks) // factor], second_opinion)
+            second_opinion = merged if whole else merged[:0]
         plan = _dcp(coarse, world_size, cost_model, max_stages, sizes, init, relays, second_opinion)
         # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
         # inputs, so they are home / received by that stage; the schedule is derived afresh.
@@ -305,8 +309,8 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     finalists = [(placement, False) for _, _, placement in sorted(planned, key=lambda item: item[:2])[:RELAY_TOP]]
     if second_opinion is not None:
         homes = [_initial_home(tiles, world_size, name, cost_model, sizes) for name in RELAY_AWARE_INITS]
-        if not any(np.array_equal(home, second_opinion) for home in homes):  # (often the first plan's own)
-            homes.append(second_opinion)
+        if second_opinion.size and not any(np.array_equal(home, second_opinion) for home in homes):
+            homes.append(second_opinion)  # (the first plan's homes are often hierarchical's own)
         finalists = [(_place(tiles, world_size, None, cost_model, max_stages, sizes, home=home, relays=relays,
                              relay_aware=True, spread_sends=True)[0], True) for home in homes]
     elif multi_node and min(t for t, _, _ in planned) > good_enough:

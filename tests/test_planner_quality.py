@@ -432,6 +432,28 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch):
     assert time(final) == pytest.approx(min(time(first), second.sim_time), rel=1e-9)
     clear_plan_cache()
 
+
+def test_second_opinion_seeds_merged_blocks_only_with_whole_homes():
+    """Planned on merged blocks, the second opinion starts from the first plan's homes only where they
+    are whole merged blocks; homes dealt block by block (as no dcp plan has them) would lose their
+    memory balance when merged, so then "hierarchical" alone is planned."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.documents([26000, 4000, 2768]).block_mask(128))
+    assert dcp_module.coarsening_factor(tiles, 4) > 1
+    cm = CostModel(topology=Topology(ranks_per_node=2))
+    sizes = dict(element_size=2, grad_element_size=4, **HEADS)
+
+    def second(home):
+        return dcp_module._dcp(tiles, 4, cm, 4, sizes, None, second_opinion=home)
+
+    dealt = np.arange(tiles.num_blocks) % 4  # merged by 2 (their first blocks): ranks 0 and 2 only
+    seeded, alone = second(dealt), second(dealt[:0])
+    assert np.array_equal(seeded.block_home, alone.block_home) and np.array_equal(seeded.tile_rank, alone.tile_rank)
+    counts = np.bincount(seeded.block_home, minlength=4)
+    assert counts.max() - counts.min() <= dcp_module.coarsening_factor(tiles, 4)
+
 @pytest.mark.parametrize("mask", ["causal_blockwise", "shared_question"])
 def test_relay_aware_rebalancing_only_replaces_a_slower_plan(mask):
     from blockattn.planner import dcp as dcp_module
