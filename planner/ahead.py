@@ -36,7 +36,7 @@ from .plan import Plan
 
 _DEAD_WORKER = ("a planning worker process died (killed, e.g. out of memory, or crashed); the plans in flight "
                 "are lost: close this PlanAhead and create a new one")
-DEFAULT_TIMEOUT_S = 600.0  # longest wait for one plan in ``map`` (a 1M-token / 64-rank plan takes ~1 s)
+DEFAULT_TIMEOUT_S = 600.0  # longest wait for one plan in ``map`` (a 1M-token / 64-rank plan takes ~2 s)
 
 
 def _init_worker() -> None:
