@@ -49,9 +49,10 @@ budget scale, each kept only where faster) and the faster result is kept. The pl
 baseline ("zigzag-ring") is a candidate too, and the final plan is checked against both baselines
 at full resolution (skipped for a baseline ``BASELINE_MARGIN`` slower on the merged blocks), so
 dcp is never slower than them in the cost model. A multi-node plan still ``SECOND_OPINION`` times the
-bound gets a second opinion: balanced again with its homes' inter-node sends priced as spread over their
-node's NICs (from "hierarchical" and from its own homes), refined alike, the faster kept. Batches with many tiles are planned on merged
-blocks (``coarsen``) and mapped back, which keeps planning time near-linear in the batch.
+bound gets a second opinion: balanced again with its homes' inter-node sends priced as spread over
+their node's NICs (from "hierarchical" and from its own homes), refined alike, the faster kept.
+Batches with many tiles are planned on merged blocks (``coarsen``) and mapped back, which keeps
+planning time near-linear in the batch.
 """
 
 from __future__ import annotations
