@@ -145,8 +145,11 @@ class Balancer:
         np.add.at(self.send, (src, link), self.kv_bytes[kv])
         np.add.at(self.recv, (dst, link), self.kv_bytes[kv])
 
+    def comm_time(self, r: int) -> float:
+        return float(((self.send[r] + self.recv[r]) / self.bw).max())
+
     def time(self, r: int) -> float:
-        return max(self.C[r], float(((self.send[r] + self.recv[r]) / self.bw).max()))
+        return max(self.C[r], self.comm_time(r))
 
     def _comm(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
         """[k] comm time from [k, links] cumulative send / recv bytes. Sends and receives are added, not
@@ -215,9 +218,8 @@ class Balancer:
         its compute, so less compute shortens it. Taken where r's transfers do not grow (e.g. rows to
         a node-mate over NVLink while r's NIC is the bound), the pair's max(C, X) does not grow and the
         target stays within the cap (``obj`` is inf past it), evening out the two ranks' compute."""
-        links = r_send.shape[1]
-        comm_before = float(self._comm(self.send[r : r + 1, :links], self.recv[r : r + 1, :links])[0])
-        ok = (self._comm(r_send, r_recv) <= comm_before * (1 + 1e-9)) & (obj <= before * (1 + 1e-9))
+        # (spread_sends implies several nodes, so r_send / r_recv carry both link columns)
+        ok = (self._comm(r_send, r_recv) <= self.comm_time(r) * (1 + 1e-9)) & (obj <= before * (1 + 1e-9))
         spread = np.where(ok, np.maximum(self.C[r] - cum_c, self.C[t] + cum_c), np.inf)
         k = int(np.argmin(spread))
         return k if spread[k] < self.C[r] * (1 - 1e-6) else -1

@@ -91,8 +91,8 @@ def add_transit(tiles: TileSet, placement: Placement, *, world_size: int, cost_m
     # together where either alone was faster; with no load to even out, every eligible block through a
     # transit rank (the receives a stage earlier may find room). The fastest is kept if faster than none.
     fwd = placement.schedule.fwd.numpy().astype(np.int64)
-    node = np.arange(world_size) // rpn
-    inter = node[fwd[:, 1]] != node[fwd[:, 2]]
+    node_of = cost_model.topology.node_of
+    inter = node_of(fwd[:, 1]) != node_of(fwd[:, 2])
     block_len = tiles.block_lengths()
     nbytes = row_bytes(fwd[inter], block_len, **sizes)
     kw = dict(ranks_per_node=rpn, world_size=world_size,
