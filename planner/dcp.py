@@ -236,9 +236,8 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
             tiles, world_size, cost_model, sizes):
         return result  # one node, near the bound: nothing to gain
     if one_node:
-        # restaged as the multi-node finalists are, kept where faster: on a large NVLink domain a home
-        # read by many ranks carries its first exchange alone (32 ranks on one node, Wikipedia batches
-        # with bf16 partials: 1.32 -> 1.22, 1.23 -> 1.20, 1.10 -> 1.03 x the bound)
+        # restaged as the multi-node finalists are, kept where faster (32 ranks on one NVLink domain,
+        # Wikipedia batches with bf16 partials: 1.32 -> 1.22, 1.23 -> 1.20, 1.10 -> 1.03 x the bound)
         result = _restaged(tiles, result, world_size, cost_model, max_stages, sizes)
     factor = coarsening_factor(tiles, world_size)
     for name in BASELINE_INITS:
