@@ -3,8 +3,8 @@
 For batches of 128K tokens drawn from real Wikipedia document lengths and from a long-tail
 (LongAlign-like, 8K-64K) mix, and for causal-document, per-document lambda (sink 64, window 4096),
 shared-question and causal-blockwise masks, at world sizes 8, 16, 32 (8 ranks per node, plus 16 at
-4 per node and 32 on one NVLink domain), it plans every strategy and records compute imbalance, bytes, simulated attention
-time (planner/cost_model.py) and the lower bound. It also times planning at 128K tokens / 8 ranks
+4 per node and 32 on one NVLink domain), it plans every strategy and records compute imbalance,
+bytes, simulated attention time (planner/cost_model.py) and the lower bound. It also times planning at 128K tokens / 8 ranks
 and 1M tokens / 64 ranks (block classification, the lead's BlockMask, timed separately).
 
 "zigzag-ring" is literal ring attention over the zigzag placement (every KV shard forwarded P-1
@@ -227,38 +227,53 @@ def main() -> None:
     print(f"wrote {out}")
 
 
+def _geomean(x: np.ndarray) -> float:
+    return float(np.exp(np.mean(np.log(x))))
+
+
+def _columns(rows: list):
+    """(value, step) for these results: ``value(strategy, key)`` as a float array over the rows, and
+    ``step(strategy)`` its forward + backward simulated time."""
+    def value(name: str, key: str) -> np.ndarray:
+        return np.array([r["strategies"][name][key] for r in rows], dtype=np.float64)
+
+    def step(name: str) -> np.ndarray:
+        return value(name, "sim_time_fwd") + value(name, "sim_time_bwd")
+
+    return value, step
+
+
 def summary(results: list) -> dict:
     """Per mask (and overall): geometric-mean speedup of dcp over zigzag and zigzag-ring, worst dcp
     time / lower bound, worst dcp imbalance, and dcp bytes relative to the baselines."""
     out = {}
     for mask in sorted({r["mask"] for r in results}) + ["all"]:
         rows = [r for r in results if mask in ("all", r["mask"])]
-        s = lambda name, key: np.array([r["strategies"][name][key] for r in rows], dtype=np.float64)  # noqa: E731
+        s, step = _columns(rows)
         dcp_t, zz_t, ring_t = s("dcp", "sim_time_fwd"), s("zigzag", "sim_time_fwd"), s("zigzag-ring", "sim_time_fwd")
-        step = lambda name: s(name, "sim_time_fwd") + s(name, "sim_time_bwd")  # noqa: E731
         out[mask] = {
             "cases": len(rows),
             # a training step's attention (forward + backward): what dcp minimizes
-            "step_speedup_vs_zigzag_geomean": float(np.exp(np.mean(np.log(step("zigzag") / step("dcp"))))),
+            "step_speedup_vs_zigzag_geomean": _geomean(step("zigzag") / step("dcp")),
             "step_speedup_vs_zigzag_min": float((step("zigzag") / step("dcp")).min()),
-            "step_speedup_vs_zigzag_ring_geomean": float(np.exp(np.mean(np.log(step("zigzag-ring") / step("dcp"))))),
+            "step_speedup_vs_zigzag_ring_geomean": _geomean(step("zigzag-ring") / step("dcp")),
             "step_dcp_over_lower_bound_max": float(
                 (step("dcp") / (s("dcp", "lower_bound_fwd") + s("dcp", "lower_bound_bwd"))).max()),
-            "speedup_vs_zigzag_geomean": float(np.exp(np.mean(np.log(zz_t / dcp_t)))),
+            "speedup_vs_zigzag_geomean": _geomean(zz_t / dcp_t),
             "speedup_vs_zigzag_min": float((zz_t / dcp_t).min()),
-            "speedup_vs_zigzag_ring_geomean": float(np.exp(np.mean(np.log(ring_t / dcp_t)))),
+            "speedup_vs_zigzag_ring_geomean": _geomean(ring_t / dcp_t),
             "speedup_vs_zigzag_ring_min": float((ring_t / dcp_t).min()),
             # the most any plan could gain over zigzag: zigzag's time over the lower bound
-            "zigzag_over_lower_bound_geomean": float(np.exp(np.mean(np.log(zz_t / s("zigzag", "lower_bound_fwd"))))),
-            "speedup_bwd_vs_zigzag_geomean": float(np.exp(np.mean(np.log(s("zigzag", "sim_time_bwd") / s("dcp", "sim_time_bwd"))))),
+            "zigzag_over_lower_bound_geomean": _geomean(zz_t / s("zigzag", "lower_bound_fwd")),
+            "speedup_bwd_vs_zigzag_geomean": _geomean(s("zigzag", "sim_time_bwd") / s("dcp", "sim_time_bwd")),
             "dcp_over_lower_bound_max": float((dcp_t / s("dcp", "lower_bound_fwd")).max()),
             "dcp_bwd_over_lower_bound_max": float((s("dcp", "sim_time_bwd") / s("dcp", "lower_bound_bwd")).max()),
             "dcp_imbalance_max": float(s("dcp", "compute_imbalance").max()),
-            "dcp_bytes_over_zigzag_geomean": float(np.exp(np.mean(np.log(
-                np.maximum(1, s("dcp", "bytes_fwd")) / np.maximum(1, s("zigzag", "bytes_fwd")))))),
+            "dcp_bytes_over_zigzag_geomean": _geomean(
+                np.maximum(1, s("dcp", "bytes_fwd")) / np.maximum(1, s("zigzag", "bytes_fwd"))),
             "dcp_bytes_over_zigzag_max": float((s("dcp", "bytes_fwd") / np.maximum(1, s("zigzag", "bytes_fwd"))).max()),
             "dcp_bytes_over_zigzag_ring_max": float((s("dcp", "bytes_fwd") / s("zigzag-ring", "bytes_fwd")).max()),
-            "fcp_speedup_vs_zigzag_geomean": float(np.exp(np.mean(np.log(zz_t / s("fcp", "sim_time_fwd"))))),
+            "fcp_speedup_vs_zigzag_geomean": _geomean(zz_t / s("fcp", "sim_time_fwd")),
         }
     return out
 
@@ -271,21 +286,20 @@ def by_configuration(results: list) -> dict:
     out = {}
     for P, rpn in sorted({(r["world_size"], r["ranks_per_node"]) for r in results}):
         rows = [r for r in results if (r["world_size"], r["ranks_per_node"]) == (P, rpn)]
-        s = lambda name, key: np.array([r["strategies"][name][key] for r in rows], dtype=np.float64)  # noqa: E731
-        step = lambda name: s(name, "sim_time_fwd") + s(name, "sim_time_bwd")  # noqa: E731
+        s, step = _columns(rows)
         bound = s("dcp", "lower_bound_fwd") + s("dcp", "lower_bound_bwd")
-        geo = lambda x: float(np.exp(np.mean(np.log(x))))  # noqa: E731
         out[f"{P}/{rpn}"] = {
             "cases": len(rows),
-            "dcp_over_lower_bound_geomean": geo(step("dcp") / bound),
+            "dcp_over_lower_bound_geomean": _geomean(step("dcp") / bound),
             "dcp_over_lower_bound_max": float((step("dcp") / bound).max()),
             "dcp_over_lower_bound_time_weighted": float(step("dcp").sum() / bound.sum()),
             "dcp_imbalance_max": float(s("dcp", "compute_imbalance").max()),
-            "speedup_vs_zigzag_geomean": geo(step("zigzag") / step("dcp")),
+            "speedup_vs_zigzag_geomean": _geomean(step("zigzag") / step("dcp")),
             "speedup_vs_zigzag_min": float((step("zigzag") / step("dcp")).min()),
-            "speedup_vs_zigzag_ring_geomean": geo(step("zigzag-ring") / step("dcp")),
-            "bytes_over_zigzag_geomean": geo(np.maximum(1, s("dcp", "bytes_fwd")) / np.maximum(1, s("zigzag", "bytes_fwd"))),
-            "bytes_over_zigzag_ring_geomean": geo(s("dcp", "bytes_fwd") / s("zigzag-ring", "bytes_fwd")),
+            "speedup_vs_zigzag_ring_geomean": _geomean(step("zigzag-ring") / step("dcp")),
+            "bytes_over_zigzag_geomean": _geomean(
+                np.maximum(1, s("dcp", "bytes_fwd")) / np.maximum(1, s("zigzag", "bytes_fwd"))),
+            "bytes_over_zigzag_ring_geomean": _geomean(s("dcp", "bytes_fwd") / s("zigzag-ring", "bytes_fwd")),
         }
     return out
 
