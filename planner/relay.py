@@ -49,8 +49,8 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages
-from .stages import (backward_stages, backward_time, choose_backward_staging, finish_placement,
-                     local_tiles_by_rank, spread_backward_local)
+from .stages import (Finisher, backward_stages, backward_time, choose_backward_staging,
+                     local_tiles_by_rank, local_work, spread_backward_local)
 from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, payload_bytes,
                        receive_groups, row_bytes, schedule_rows)
 from .tiles import TileSet
@@ -101,10 +101,11 @@ def add_transit(tiles: TileSet, placement: Placement, *, world_size: int, cost_m
     by_receiver = transit_relays(home, groups, relay, side="receiver", **kw,
                                  load=np.bincount(fwd[inter, 2], weights=nbytes, minlength=world_size))
 
+    finisher = Finisher(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes)
+
     def with_transit(transit):
         table = np.concatenate([relay, transit])
-        return finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes,
-                                kv_relay=table[np.lexsort((table[:, 1], table[:, 0]))], spread_forward=False)
+        return finisher.finish(table[np.lexsort((table[:, 1], table[:, 0]))], spread_forward=False)
 
     tried = [with_transit(t) for t in (by_receiver, transit_relays(home, groups, relay, side="home", **kw,
                                                                    load=send_load)) if t.size]
@@ -361,8 +362,9 @@ class _Scorer:
         self.base_compute = np.bincount(rank * (num_stages + 1) + stage, weights=self.compute_time,
                                         minlength=self.P * (num_stages + 1)).reshape(self.P, num_stages + 1)
         self.remote_kv = home[tiles.kv] != rank
-        self.local_order = local_tiles_by_rank(rank, ~self.remote_q & ~self.remote_kv)
         self.compute_bwd_time = self.compute_time * cost_model.bwd_flops_factor
+        self.local_work = local_work(local_tiles_by_rank(rank, ~self.remote_q & ~self.remote_kv), rank,
+                                     self.compute_bwd_time, world_size)
         self._bwd_cache = {}
 
     def _backward(self, num_stages: int):
@@ -385,7 +387,7 @@ class _Scorer:
                 return stage_groups, bwd_comm(stage_groups)
 
             def time_of(stage_bwd, comm):
-                return backward_time(stage_bwd, self.compute_bwd_time, self.rank, self.local_order, comm,
+                return backward_time(stage_bwd, self.compute_bwd_time, self.rank, self.local_work, comm,
                                      world_size=self.P, num_stages=num_stages, cost_model=self.cm)
 
             # the backward staging finish_placement would pick for the relay-free placement (local
@@ -404,7 +406,7 @@ class _Scorer:
                              kv_relay=relay, bwd_groups=bwd_groups)
         comm = [self.cm.stage_comm_time(table, row_bytes(table, self.block_len, **self.sizes), self.P, num_stages)
                 for table in rows]
-        stage_bwd = spread_backward_local(stage_bwd, self.compute_bwd_time, self.rank, self.local_order, comm[1],
+        stage_bwd = spread_backward_local(stage_bwd, self.compute_bwd_time, self.rank, self.local_work, comm[1],
                                           world_size=self.P, num_stages=num_stages)
         compute_bwd = np.bincount(self.rank * num_stages + stage_bwd, weights=self.compute_time,
                                   minlength=self.P * num_stages).reshape(self.P, num_stages)

@@ -15,12 +15,13 @@ stage of its last-arriving item.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages, first_occurrence
-from .schedule import KIND_KV, KIND_Q, derive_schedule, payload_bytes, row_bytes
+from .schedule import KIND_KV, KIND_Q, payload_bytes, receive_groups, row_bytes, schedule_from_groups
 
 
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
@@ -155,6 +156,13 @@ def _stage_items_both_ends(order, receiver, sender, inter, item_time, item_of, t
 
 def _grouped_cumsum(key: np.ndarray, value: np.ndarray) -> np.ndarray:
     """Per position, the sum of ``value`` over the positions up to it with the same key."""
+    if key.size > 1 and bool((key[1:] >= key[:-1]).all()):
+        # already grouped (the spreads list local tiles rank by rank): the same sums without the
+        # sort and the scatter back (a stable sort of sorted keys is the identity)
+        cum = np.cumsum(value)
+        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        group_start = np.repeat(starts, np.diff(np.r_[starts, key.size]))
+        return cum - (cum - value)[group_start]
     by = np.argsort(key, kind="stable")
     cum = np.cumsum(value[by])
     k = key[by]
@@ -212,7 +220,7 @@ def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, i
     order = np.flatnonzero(local0)[::-1]
     order = order[np.argsort(rank[order], kind="stable")]
     fill = np.arange(last, 0, -1)
-    return _pour(stage, seconds, rank, order, gaps[:, fill - 1], movable, fill)
+    return _pour(stage, local_work(order, rank, seconds, world_size), gaps[:, fill - 1], movable, fill)
 
 
 def backward_stages(q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray, num_stages: int) -> np.ndarray:
@@ -286,50 +294,64 @@ def local_tiles_by_rank(rank: np.ndarray, is_local: np.ndarray) -> np.ndarray:
     return idx[np.argsort(rank[idx], kind="stable")]
 
 
-def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarray, local_order: np.ndarray,
+class LocalWork(NamedTuple):
+    """Tiles that may move between stages (no transfer depends on them), in the order they leave,
+    grouped by rank, with their seconds laid end to end per rank (``local_work``)."""
+
+    order: np.ndarray  # int64 tile indices, grouped by ascending rank
+    rank: np.ndarray  # int64 their ranks
+    end: np.ndarray  # float64 each tile's end position in its rank's list (seconds)
+    total: np.ndarray  # float64 [P] seconds per rank
+
+
+def local_work(order: np.ndarray, rank: np.ndarray, seconds: np.ndarray, world_size: int) -> LocalWork:
+    """The LocalWork of ``order``'s tiles (grouped by rank) under per-tile ``seconds``; computed once
+    per placement, as every backward staging tried spreads the same local tiles."""
+    r, c = rank[order], seconds[order]
+    return LocalWork(order=order, rank=r, end=_grouped_cumsum(r, c), total=np.bincount(r, weights=c, minlength=world_size))
+
+
+def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarray, local: LocalWork,
                           comm_time: np.ndarray, *, world_size: int, num_stages: int) -> np.ndarray:
     """Move purely local tiles (no transfer) from their backward stage (``backward_stages``) into the
     stages whose next transfers (``comm_time`` [P, S + 1], backward) would otherwise be exposed:
     partials arriving at a home, dO leaving it. ``compute``: per-tile backward seconds. Each rank
     keeps in the local stage what hides its own next transfers and fills the gaps of the other
-    stages in order; the schedule is unchanged (local tiles move nothing). ``local_order``: the
-    local tiles as ``local_tiles_by_rank`` lists them, all still in their class-rule stage."""
+    stages in order; the schedule is unchanged (local tiles move nothing). ``local``: the local tiles
+    as ``local_tiles_by_rank`` lists them (``local_work`` under ``compute``), all still in their
+    class-rule stage."""
     S, P = num_stages, world_size
     if S < 2:
         return stage
     home_stage = min(2, S - 1)
     per_stage = np.bincount(rank * S + stage, weights=compute, minlength=P * S).reshape(P, S)
     gaps = np.maximum(0.0, comm_time[:, :S] - per_stage)  # stage s overlaps exchange s
-    total = np.bincount(rank[local_order], weights=compute[local_order], minlength=P)
-    movable = np.minimum(per_stage[:, home_stage] - comm_time[:, home_stage], total)
+    movable = np.minimum(per_stage[:, home_stage] - comm_time[:, home_stage], local.total)
     fill = np.array([s for s in range(S) if s != home_stage], dtype=np.int64)  # earliest gap first
-    return _pour(stage, compute, rank, local_order, gaps[:, fill], movable, fill)
+    return _pour(stage, local, gaps[:, fill], movable, fill)
 
 
-def backward_time(stage_bwd: np.ndarray, compute_bwd: np.ndarray, rank: np.ndarray, local_order: np.ndarray,
+def backward_time(stage_bwd: np.ndarray, compute_bwd: np.ndarray, rank: np.ndarray, local: LocalWork,
                   comm_bwd: np.ndarray, *, world_size: int, num_stages: int, cost_model: CostModel) -> tuple:
     """(``stage_bwd`` with its local tiles spread against ``comm_bwd`` [P, S + 1], the slowest rank's
-    overlapped backward time); ``compute_bwd``: per-tile backward seconds."""
-    spread = spread_backward_local(stage_bwd, compute_bwd, rank, local_order, comm_bwd, world_size=world_size,
+    overlapped backward time); ``compute_bwd``: per-tile backward seconds, ``local``: their LocalWork."""
+    spread = spread_backward_local(stage_bwd, compute_bwd, rank, local, comm_bwd, world_size=world_size,
                                    num_stages=num_stages)
     per = np.bincount(rank * num_stages + spread, weights=compute_bwd,
                       minlength=world_size * num_stages).reshape(world_size, num_stages)
     return spread, float(cost_model.overlapped_time(per, comm_bwd).max())
 
 
-def _pour(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, order: np.ndarray, gaps: np.ndarray,
-          movable: np.ndarray, fill: np.ndarray) -> np.ndarray:
-    """Move local tiles into transfer gaps: per rank, ``order``'s tiles (grouped by rank, in the order
-    they leave) fill the gaps ``gaps[r, i]`` of stages ``fill[i]`` in turn, up to ``movable[r]``
-    seconds in all; a tile goes to the gap its cumulative end position falls into (else it stays).
-    Shared by the forward and backward spreads (a local tile moves no transfer)."""
+def _pour(stage: np.ndarray, local: LocalWork, gaps: np.ndarray, movable: np.ndarray, fill: np.ndarray) -> np.ndarray:
+    """Move local tiles into transfer gaps: per rank, ``local``'s tiles (in the order they leave)
+    fill the gaps ``gaps[r, i]`` of stages ``fill[i]`` in turn, up to ``movable[r]`` seconds in all;
+    a tile goes to the gap its cumulative end position falls into (else it stays). Shared by the
+    forward and backward spreads (a local tile moves no transfer)."""
     P, F = gaps.shape
     movable = np.clip(movable, 0.0, None)
-    if order.size == 0 or F == 0 or not gaps.any() or not movable.any():
+    if local.order.size == 0 or F == 0 or not gaps.any() or not movable.any():
         return stage
-    r, c = rank[order], seconds[order]
-    total = np.bincount(r, weights=c, minlength=P)
-    end = _grouped_cumsum(r, c)  # each tile's end position in its rank's list
+    r, end, total = local.rank, local.end, local.total
     upto = np.minimum(np.cumsum(gaps, axis=1), movable[:, None])  # [P, F] work placed up to gap i
     # the first gap i with end <= upto[r, i]: upto is non-decreasing along i, so one searchsorted over
     # the rows laid end to end, each shifted past the previous one, finds it for every tile at once
@@ -338,7 +360,7 @@ def _pour(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, order: np.nd
     i = np.searchsorted(flat, end + shift * r, side="left") - r * F
     moved = i < F
     stage = stage.copy()
-    stage[order[moved]] = fill[i[moved]]
+    stage[local.order[moved]] = fill[i[moved]]
     return stage
 
 
@@ -351,72 +373,124 @@ def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarra
     local tiles after the last when ``max_stages`` allows it; backward always), and the simulated
     forward + backward time (``score``; without it, ``sim_time`` is None and the forward's transfer
     times are not computed). ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size, grad_element_size."""
-    stage, num_stages = compact_stages(stage)
-    q, kv, P = tiles.q, tiles.kv, world_size
-    block_len = tiles.block_lengths()
+    return Finisher(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes).finish(
+        kv_relay, spread_forward=spread_forward, max_stages=max_stages, score=score)
 
-    def comm_of(sched):
+
+class Finisher:
+    """``finish_placement`` for one (homes, tile ranks, forward stages) under any number of relay tables
+    (add_transit weighs several): what does not depend on the relays (compute, local tiles, the forward
+    receive groups, the class-rule backward stages' groups) is computed once."""
+
+    def __init__(self, tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarray, *, world_size: int,
+                 cost_model: CostModel, sizes: dict):
+        self.tiles, self.home, self.rank, self.P, self.cost_model, self.sizes = (tiles, home, rank, world_size,
+                                                                                 cost_model, sizes)
+        self.stage, self.num_stages = compact_stages(stage)
+        self.block_len = tiles.block_lengths()
+        q, kv = tiles.q, tiles.kv
+        self.remote_q, self.remote_kv = home[q] != rank, home[kv] != rank
+        self.local = ~self.remote_q & ~self.remote_kv
+        self.compute = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"],
+                                             head_dim=sizes["head_dim"]) / cost_model.fwd_rate
+        self.compute_bwd = self.compute * cost_model.bwd_flops_factor
+        self._fwd_groups = None
+        self._plain_bwd = {}  # num_stages -> (class-rule backward stages, their receive groups)
+        self._local_work = None
+
+    def _groups(self, stage: np.ndarray) -> tuple:
+        """(q, kv) ``receive_groups`` of the remote inputs under per-tile ``stage``."""
+        nB, rq, rk, t = self.tiles.num_blocks, self.remote_q, self.remote_kv, self.tiles
+        return (receive_groups(self.rank[rq], t.q[rq], stage[rq], nB),
+                receive_groups(self.rank[rk], t.kv[rk], stage[rk], nB))
+
+    def _forward_groups(self) -> tuple:
+        # moving purely local tiles between stages (the forward spread) changes no remote tile's stage
+        if self._fwd_groups is None:
+            self._fwd_groups = self._groups(self.stage)
+        return self._fwd_groups
+
+    def _plain_backward(self, num_stages: int) -> tuple:
+        if num_stages not in self._plain_bwd:
+            stage_bwd = backward_stages(self.tiles.q, self.tiles.kv, self.rank, self.home, num_stages)
+            self._plain_bwd[num_stages] = (stage_bwd, self._groups(stage_bwd))
+        return self._plain_bwd[num_stages]
+
+    def _schedule(self, kv_relay, num_stages: int, stage_bwd: np.ndarray | None = None):
+        """(backward stages, CommSchedule); ``stage_bwd`` None: the class-rule backward stages."""
+        if stage_bwd is None:
+            stage_bwd, bwd_groups = self._plain_backward(num_stages)
+        else:
+            bwd_groups = self._groups(stage_bwd)
+        sched = schedule_from_groups(self.home, *self._forward_groups(), num_blocks=self.tiles.num_blocks,
+                                     num_stages=num_stages, world_size=self.P, kv_relay=kv_relay,
+                                     bwd_groups=bwd_groups)
+        return stage_bwd, sched
+
+    def _comm(self, sched, directions) -> dict:
         comm = {}
-        for direction in ("fwd", "bwd") if score or spread_forward else ("bwd",):
+        for direction in directions:
             table = sched.table(direction).numpy().astype(np.int64)
-            comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), P,
-                                                         sched.num_stages)
+            comm[direction] = self.cost_model.stage_comm_time(table, row_bytes(table, self.block_len, **self.sizes),
+                                                              self.P, sched.num_stages)
         return comm
 
-    def schedule_and_comm(num_stages):
-        stage_bwd = backward_stages(q, kv, rank, home, num_stages)
-        sched = derive_schedule(home, q, kv, rank, stage, num_blocks=tiles.num_blocks, num_stages=num_stages,
-                                world_size=P, kv_relay=kv_relay, tile_stage_bwd=stage_bwd)
-        return stage_bwd, sched, comm_of(sched)
+    def finish(self, kv_relay=None, *, spread_forward: bool = True, max_stages: int | None = None,
+               score: bool = True) -> Placement:
+        """The completed Placement under ``kv_relay`` (see ``finish_placement``)."""
+        tiles, home, rank, P, cost_model = self.tiles, self.home, self.rank, self.P, self.cost_model
+        stage, num_stages = self.stage, self.num_stages
+        directions = ("fwd", "bwd") if score or spread_forward else ("bwd",)
 
-    stage_bwd, sched, comm = schedule_and_comm(num_stages)
-    compute = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"],
-                                    head_dim=sizes["head_dim"]) / cost_model.fwd_rate
-    compute_bwd = compute * cost_model.bwd_flops_factor
-    if num_stages > 1:
-        # moving local tiles between stages changes no transfer, so the schedule stays valid
-        local = (home[q] == rank) & (home[kv] == rank)
-        if spread_forward:
-            extra = max_stages is not None and num_stages <= max_stages
-            stage = spread_local_tiles(stage, compute * cost_model.fwd_rate, rank, local, comm["fwd"], world_size=P,
-                                       num_stages=num_stages, fwd_rate=cost_model.fwd_rate, extra_stage=extra)
-            if stage.max() == num_stages:  # a last stage of local tiles now hides the final partials
-                num_stages += 1
-                if kv_relay is None:
-                    # same rows (local tiles move none; the backward classes of remote tiles keep
-                    # their stages), one more stage: no need to derive the schedule again
-                    stage_bwd = backward_stages(q, kv, rank, home, num_stages)
-                    sched = replace(sched, num_stages=num_stages)
-                    comm = comm_of(sched)
-                else:  # a DKV reduce tree may find room in the new stage
-                    stage_bwd, sched, comm = schedule_and_comm(num_stages)
-        local_order = local_tiles_by_rank(rank, local)
+        def schedule_and_comm(num_stages):
+            stage_bwd, sched = self._schedule(kv_relay, num_stages)
+            return stage_bwd, sched, self._comm(sched, directions)
 
-        def spread_and_time(stage_bwd, comm_bwd):
-            return backward_time(stage_bwd, compute_bwd, rank, local_order, comm_bwd, world_size=P,
-                                 num_stages=num_stages, cost_model=cost_model)
+        stage_bwd, sched, comm = schedule_and_comm(num_stages)
+        compute, compute_bwd = self.compute, self.compute_bwd
+        if num_stages > 1:
+            # moving local tiles between stages changes no transfer, so the schedule stays valid
+            if spread_forward:
+                extra = max_stages is not None and num_stages <= max_stages
+                stage = spread_local_tiles(stage, compute * cost_model.fwd_rate, rank, self.local, comm["fwd"],
+                                           world_size=P, num_stages=num_stages, fwd_rate=cost_model.fwd_rate,
+                                           extra_stage=extra)
+                if stage.max() == num_stages:  # a last stage of local tiles now hides the final partials
+                    num_stages += 1
+                    if kv_relay is None:
+                        # same rows (local tiles move none; the backward classes of remote tiles keep
+                        # their stages), one more stage: no need to derive the schedule again
+                        stage_bwd = backward_stages(tiles.q, tiles.kv, rank, home, num_stages)
+                        sched = replace(sched, num_stages=num_stages)
+                        comm = self._comm(sched, directions)
+                    else:  # a DKV reduce tree may find room in the new stage
+                        stage_bwd, sched, comm = schedule_and_comm(num_stages)
+            if self._local_work is None:
+                self._local_work = local_work(local_tiles_by_rank(rank, self.local), rank, compute_bwd, P)
 
-        if P > cost_model.topology.ranks_per_node:
-            def derive(stage_bwd):
-                split_sched = derive_schedule(home, q, kv, rank, stage, num_blocks=tiles.num_blocks,
-                                              num_stages=num_stages, world_size=P, kv_relay=kv_relay,
-                                              tile_stage_bwd=stage_bwd)
-                split_comm = comm_of(split_sched)
-                return (split_sched, split_comm), split_comm["bwd"]
+            def spread_and_time(stage_bwd, comm_bwd):
+                return backward_time(stage_bwd, compute_bwd, rank, self._local_work, comm_bwd, world_size=P,
+                                     num_stages=num_stages, cost_model=cost_model)
 
-            _, stage_bwd, (sched, comm), _ = choose_backward_staging(
-                stage_bwd, ((sched, comm), comm["bwd"]), derive, spread_and_time, q=q, kv=kv, rank=rank, home=home,
-                compute=compute_bwd, world_size=P, num_stages=num_stages)
-        else:  # one node: the cheap NVLink leaves exchange 1 covered (no gain measured from a split)
-            stage_bwd, _ = spread_and_time(stage_bwd, comm["bwd"])
+            if P > cost_model.topology.ranks_per_node:
+                def derive(stage_bwd):
+                    split_sched = self._schedule(kv_relay, num_stages, stage_bwd)[1]
+                    split_comm = self._comm(split_sched, directions)
+                    return (split_sched, split_comm), split_comm["bwd"]
 
-    def per_stage(st):
-        return np.bincount(rank * num_stages + st, weights=compute, minlength=P * num_stages).reshape(P, num_stages)
+                _, stage_bwd, (sched, comm), _ = choose_backward_staging(
+                    stage_bwd, ((sched, comm), comm["bwd"]), derive, spread_and_time, q=tiles.q, kv=tiles.kv,
+                    rank=rank, home=home, compute=compute_bwd, world_size=P, num_stages=num_stages)
+            else:  # one node: the cheap NVLink leaves exchange 1 covered (no gain measured from a split)
+                stage_bwd, _ = spread_and_time(stage_bwd, comm["bwd"])
 
-    sim_time = None
-    if score:
-        fwd, bwd = cost_model.step_times(per_stage(stage), comm["fwd"], comm["bwd"], per_stage(stage_bwd))
-        sim_time = float(fwd.max() + bwd.max())
-    return Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched,
-                     kv_relay=None if kv_relay is None else np.asarray(kv_relay, dtype=np.int64),
-                     sim_time=sim_time, tile_stage_bwd=stage_bwd)
+        def per_stage(st):
+            return np.bincount(rank * num_stages + st, weights=compute, minlength=P * num_stages).reshape(P, num_stages)
+
+        sim_time = None
+        if score:
+            fwd, bwd = cost_model.step_times(per_stage(stage), comm["fwd"], comm["bwd"], per_stage(stage_bwd))
+            sim_time = float(fwd.max() + bwd.max())
+        return Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched,
+                         kv_relay=None if kv_relay is None else np.asarray(kv_relay, dtype=np.int64),
+                         sim_time=sim_time, tile_stage_bwd=stage_bwd)
