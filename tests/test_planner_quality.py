@@ -630,3 +630,35 @@ def test_document_segments_keep_a_short_document_on_one_node():
 
     assert nodes_per_document(False) == [4, 4, 4]
     assert nodes_per_document(True) == [1, 4, 3]
+
+
+def test_one_node_keeps_the_candidate_moving_the_fewest_bytes_among_near_equals(monkeypatch):
+    """6 ranks on one node, a long-tail batch: from "fcp" the plan is ~1.015x the bound, from
+    "contiguous" ~1.020x with ~25% fewer bytes. Both within GOOD_ENOUGH of the bound and within
+    BYTES_SLACK of each other, so dcp keeps the latter; with no slack, the fastest."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.schedule import row_bytes
+    from blockattn.planner.tiles import TileSet
+
+    spec = MaskSpec.documents(_long_tail_docs(9, 48_000))
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    cm = CostModel()
+    sizes = dict(element_size=2, grad_element_size=4, **HEADS)
+
+    def moved(p):
+        return sum(int(row_bytes(p.schedule.table(d).numpy().astype(np.int64), tiles.block_lengths(), **sizes).sum())
+                   for d in ("fwd", "bwd"))
+
+    fcp, contiguous = (dcp_module._place(tiles, 6, init, cm, 4, sizes, relays=False)[0] for init in ("fcp", "contiguous"))
+    bound = dcp_module._lower_bound(tiles, 6, cm, sizes)
+    assert fcp.sim_time < contiguous.sim_time <= min(dcp_module.BYTES_SLACK * fcp.sim_time,
+                                                     dcp_module.GOOD_ENOUGH * bound)
+    assert moved(contiguous) < 0.85 * moved(fcp)
+
+    def planned():
+        return dcp_module.dcp(tiles, 6, cost_model=cm, max_stages=4, **sizes)
+
+    assert np.array_equal(planned().tile_rank, contiguous.tile_rank)
+    monkeypatch.setattr(dcp_module, "BYTES_SLACK", 1.0)
+    assert np.array_equal(planned().tile_rank, fcp.tile_rank)
+    make_plan(spec, 6, block_size=128, **HEADS)  # (check_plan on the kept plan)
