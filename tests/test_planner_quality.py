@@ -662,3 +662,17 @@ def test_one_node_keeps_the_candidate_moving_the_fewest_bytes_among_near_equals(
     monkeypatch.setattr(dcp_module, "BYTES_SLACK", 1.0)
     assert np.array_equal(planned().tile_rank, fcp.tile_rank)
     make_plan(spec, 6, block_size=128, **HEADS)  # (check_plan on the kept plan)
+
+
+@settings(max_examples=40, deadline=None)
+@given(keys=st.lists(st.integers(0, 5), max_size=60), grouped=st.booleans())
+def test_grouped_cumsum_sums_each_keys_values_up_to_each_position(keys, grouped):
+    """planner/stages.py ``_grouped_cumsum`` (its sort-free path for grouped keys, and the sorting one)
+    against a per-key running sum."""
+    from blockattn.planner.stages import _grouped_cumsum
+
+    key = np.array(sorted(keys) if grouped else keys, dtype=np.int64)
+    value = np.random.default_rng(len(keys)).random(key.size)
+    want = np.array([value[:i + 1][key[:i + 1] == key[i]].sum() for i in range(key.size)])
+    got = _grouped_cumsum(key, value)
+    assert got.shape == want.shape and np.allclose(got, want, rtol=0, atol=1e-12 * max(1.0, value.sum()))

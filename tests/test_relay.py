@@ -516,3 +516,37 @@ def test_balancing_transit_properties(data):
         for n in range(world // rpn):
             mates = slice(n * rpn, (n + 1) * rpn)
             assert after[mates].max() <= load[mates].max() + 1e-9
+
+
+def test_one_finisher_finishes_every_relay_table_as_a_fresh_one_would():
+    """add_transit finishes one placement under several relay tables with one Finisher, which computes
+    the relay-independent parts once: each result equals finish_placement's own, array for array."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.relay import transit_relays
+    from blockattn.planner.schedule import as_relay_table, receive_groups
+    from blockattn.planner.stages import Finisher, finish_placement
+
+    spec = MaskSpec.documents([6000, 5000, 800])
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    cm = CostModel(topology=Topology(ranks_per_node=2))
+    sizes = dict(SIZES, grad_element_size=4)
+    base = dcp_module._dcp(tiles, 6, cm, 4, sizes, None, relays=False)
+    _, variants = relay_variants(tiles, base, world_size=6, cost_model=cm, max_stages=4, sizes=sizes)
+    home, rank, stage = base.block_home, base.tile_rank, base.tile_stage
+    remote = home[tiles.kv] != rank
+    groups = receive_groups(rank[remote], tiles.kv[remote], stage[remote], tiles.num_blocks)
+    transit = transit_relays(home, groups, np.zeros((0, 3), dtype=np.int64), ranks_per_node=2, world_size=6)
+    # relays of a variant that keeps the stages (a delaying one would finish other stages)
+    relays = [as_relay_table(v.kv_relay) for v in variants if np.array_equal(v.tile_stage, stage)]
+    assert relays and relays[0].size and transit.size
+    tables = [None, relays[0], transit]
+    shared = Finisher(tiles, home, rank, stage, world_size=6, cost_model=cm, sizes=sizes)
+    for table in tables + [None]:
+        for spread in (False, True):
+            got = shared.finish(table, spread_forward=spread, max_stages=4)
+            want = finish_placement(tiles, home, rank, stage, world_size=6, cost_model=cm, sizes=sizes,
+                                    kv_relay=table, spread_forward=spread, max_stages=4)
+            assert got.sim_time == want.sim_time
+            for a, b in ((got.tile_stage, want.tile_stage), (got.tile_stage_bwd, want.tile_stage_bwd),
+                         (got.schedule.fwd, want.schedule.fwd), (got.schedule.bwd, want.schedule.bwd)):
+                assert np.array_equal(np.asarray(a), np.asarray(b))
