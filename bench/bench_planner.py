@@ -111,7 +111,8 @@ def literal_zigzag_ring(plan_zigzag, topology: Topology) -> dict:
 
 
 def summarize(stats: dict) -> dict:
-    keys = ("compute_imbalance", "memory_imbalance", "bytes_fwd", "bytes_bwd", "sim_time_fwd", "sim_time_bwd",
+    keys = ("compute_imbalance", "memory_imbalance", "bytes_fwd", "bytes_bwd", "bytes_inter_node_fwd",
+            "bytes_inter_node_bwd", "sim_time_fwd", "sim_time_bwd",
             "lower_bound_fwd", "lower_bound_bwd", "num_stages", "transfers")
     return {k: stats[k] for k in keys}
 
@@ -282,7 +283,8 @@ def by_configuration(results: list) -> dict:
     """Per world size / ranks per node (the README's tables), forward + backward: dcp time over the
     lower bound (geomean, max, and time-weighted: the sum of dcp's times over the sum of the bounds,
     what a run over these batches spends in attention), speedups over zigzag and zigzag-ring
-    (geomean), and dcp's forward bytes over theirs (geomean)."""
+    (geomean), and dcp's forward bytes over theirs (geomean); on several nodes also its forward bytes
+    between nodes over zigzag's (geomean, max)."""
     out = {}
     for P, rpn in sorted({(r["world_size"], r["ranks_per_node"]) for r in results}):
         rows = [r for r in results if (r["world_size"], r["ranks_per_node"]) == (P, rpn)]
@@ -301,18 +303,23 @@ def by_configuration(results: list) -> dict:
                 np.maximum(1, s("dcp", "bytes_fwd")) / np.maximum(1, s("zigzag", "bytes_fwd"))),
             "bytes_over_zigzag_ring_geomean": _geomean(s("dcp", "bytes_fwd") / s("zigzag-ring", "bytes_fwd")),
         }
+        if P > rpn:  # the slow links: NIC bytes (a relay's NVLink hop counts in the bytes above only)
+            inter = np.maximum(1, s("dcp", "bytes_inter_node_fwd")) / np.maximum(1, s("zigzag", "bytes_inter_node_fwd"))
+            out[f"{P}/{rpn}"]["inter_node_bytes_over_zigzag_geomean"] = _geomean(inter)
+            out[f"{P}/{rpn}"]["inter_node_bytes_over_zigzag_max"] = float(inter.max())
     return out
 
 
 def print_report(report: dict) -> None:
     print("forward + backward (a training step), per configuration:")
     print(f"{'P/per node':10s} {'cases':>5s} {'dcp/LB':>7s} {'max':>6s} {'weighted':>8s} {'zz/dcp':>7s} {'min':>6s} "
-          f"{'zzR/dcp':>8s} {'B/zz':>6s} {'B/zzR':>6s}")
+          f"{'zzR/dcp':>8s} {'B/zz':>6s} {'B/zzR':>6s} {'nodeB/zz':>8s}")
     for cfg, c in report["by_configuration"].items():
         print(f"{cfg:10s} {c['cases']:5d} {c['dcp_over_lower_bound_geomean']:7.3f} {c['dcp_over_lower_bound_max']:6.2f} "
               f"{c['dcp_over_lower_bound_time_weighted']:8.3f} {c['speedup_vs_zigzag_geomean']:7.2f} "
               f"{c['speedup_vs_zigzag_min']:6.2f} {c['speedup_vs_zigzag_ring_geomean']:8.2f} "
-              f"{c['bytes_over_zigzag_geomean']:6.2f} {c['bytes_over_zigzag_ring_geomean']:6.2f}")
+              f"{c['bytes_over_zigzag_geomean']:6.2f} {c['bytes_over_zigzag_ring_geomean']:6.2f} "
+              f"{c.get('inter_node_bytes_over_zigzag_geomean', float('nan')):8.2f}")
     print("forward + backward (a training step), per mask:")
     print(f"{'mask':18s} {'cases':>5s} {'zz/dcp':>7s} {'min':>6s} {'zzR/dcp':>8s} {'dcp/LB':>7s}")
     for mask, s in report["summary"].items():

@@ -184,9 +184,11 @@ class Plan:
         result = {"strategy": self.strategy, "world_size": P, "num_stages": S, "tokens": tokens,
                   "flops_fwd": np.bincount(rank, weights=flops, minlength=P).tolist()}
         comm = {}
+        node_of = cm.topology.node_of
         for direction in ("fwd", "bwd"):
             table = self.schedule.table(direction).numpy().astype(np.int64)
             nbytes = self.transfer_bytes(direction)
+            result[f"bytes_inter_node_{direction}"] = int(nbytes[node_of(table[:, 1]) != node_of(table[:, 2])].sum())
             result[f"bytes_sent_{direction}"] = np.bincount(table[:, 1], weights=nbytes, minlength=P).astype(np.int64).tolist()
             result[f"bytes_recv_{direction}"] = np.bincount(table[:, 2], weights=nbytes, minlength=P).astype(np.int64).tolist()
             comm[direction] = cm.stage_comm_time(table, nbytes, P, S)
@@ -216,7 +218,9 @@ class Plan:
         (lists over ranks) and ``sim_time_fwd / sim_time_bwd`` (max over ranks, seconds, see
         planner/cost_model.py), ``lower_bound_fwd / _bwd``, imbalances, transfer counts and
         ``kv_relays`` (KV transfers whose source is a relay, not the home). Bytes are the sums of
-        the CommSchedule rows, i.e. exactly what the executor sends."""
+        the CommSchedule rows, i.e. exactly what the executor sends; ``bytes_inter_node_fwd / _bwd``
+        are those of rows between nodes (the slow links; a relay's NVLink hop counts in ``bytes_*``
+        only)."""
         return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
                 for k, v in self._stats.items()}
 
@@ -229,7 +233,8 @@ class Plan:
             f"blocks={self.num_blocks} tiles={self.tile_q.numel()} stages={self.num_stages}",
             f"  memory: tokens/rank min {min(s['tokens'])} max {max(s['tokens'])} (max/mean {s['memory_imbalance']:.3f})",
             f"  compute: max/mean {s['compute_imbalance']:.3f}, total {sum(s['flops_fwd']) / 1e12:.3f} TFLOP fwd",
-            f"  bytes: fwd {s['bytes_fwd'] * mb:.1f} MiB, bwd {s['bytes_bwd'] * mb:.1f} MiB "
+            f"  bytes: fwd {s['bytes_fwd'] * mb:.1f} MiB ({s['bytes_inter_node_fwd'] * mb:.1f} between nodes), "
+            f"bwd {s['bytes_bwd'] * mb:.1f} MiB ({s['bytes_inter_node_bwd'] * mb:.1f}) "
             f"(gradient partials in {str(self.grad_comm_dtype).removeprefix('torch.')}), "
             f"transfers {s['transfers']}, KV relayed inside nodes {s['kv_relays']}",
             f"  sim time (H200 model): fwd {s['sim_time_fwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_fwd'] * 1e3:.3f}),"

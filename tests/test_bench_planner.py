@@ -19,13 +19,14 @@ def _bench_planner():
     return mod
 
 
-def _case(P, rpn, dcp_fwd, dcp_bwd, bound_fwd, bound_bwd, zigzag, ring, dcp_bytes, zz_bytes, ring_bytes):
-    def strategy(fwd, bwd, nbytes, imbalance=1.0):
+def _case(P, rpn, dcp_fwd, dcp_bwd, bound_fwd, bound_bwd, zigzag, ring, dcp_bytes, zz_bytes, ring_bytes,
+          dcp_inter=0, zz_inter=0):
+    def strategy(fwd, bwd, nbytes, imbalance=1.0, inter=0):
         return {"sim_time_fwd": fwd, "sim_time_bwd": bwd, "lower_bound_fwd": bound_fwd, "lower_bound_bwd": bound_bwd,
-                "bytes_fwd": nbytes, "compute_imbalance": imbalance}
+                "bytes_fwd": nbytes, "bytes_inter_node_fwd": inter, "compute_imbalance": imbalance}
 
     return {"world_size": P, "ranks_per_node": rpn, "strategies": {
-        "dcp": strategy(dcp_fwd, dcp_bwd, dcp_bytes, 1.1), "zigzag": strategy(zigzag, 0.0, zz_bytes),
+        "dcp": strategy(dcp_fwd, dcp_bwd, dcp_bytes, 1.1, dcp_inter), "zigzag": strategy(zigzag, 0.0, zz_bytes, inter=zz_inter),
         "zigzag-ring": strategy(ring, 0.0, ring_bytes)}}
 
 
@@ -33,8 +34,10 @@ def test_by_configuration_geomean_max_and_time_weighted():
     bench = _bench_planner()
     results = [
         # a small batch 2x off its bound and a large one 1.1x off: geomean sqrt(2.2), weighted 12 / 10.5
-        _case(16, 4, 0.5, 0.5, 0.25, 0.25, zigzag=2.0, ring=4.0, dcp_bytes=100, zz_bytes=50, ring_bytes=400),
-        _case(16, 4, 4.0, 7.0, 3.0, 7.0, zigzag=22.0, ring=44.0, dcp_bytes=400, zz_bytes=400, ring_bytes=1600),
+        _case(16, 4, 0.5, 0.5, 0.25, 0.25, zigzag=2.0, ring=4.0, dcp_bytes=100, zz_bytes=50, ring_bytes=400,
+              dcp_inter=10, zz_inter=40),
+        _case(16, 4, 4.0, 7.0, 3.0, 7.0, zigzag=22.0, ring=44.0, dcp_bytes=400, zz_bytes=400, ring_bytes=1600,
+              dcp_inter=100, zz_inter=100),
         _case(8, 8, 1.0, 1.0, 1.0, 1.0, zigzag=4.0, ring=4.0, dcp_bytes=1, zz_bytes=1, ring_bytes=1),
     ]
     summary = bench.by_configuration(results)
@@ -50,4 +53,7 @@ def test_by_configuration_geomean_max_and_time_weighted():
     assert c["bytes_over_zigzag_geomean"] == pytest.approx(2.0 ** 0.5)
     assert c["bytes_over_zigzag_ring_geomean"] == pytest.approx(0.25)
     assert c["dcp_imbalance_max"] == pytest.approx(1.1)
+    assert c["inter_node_bytes_over_zigzag_geomean"] == pytest.approx(0.5)  # 1/4 and 1
+    assert c["inter_node_bytes_over_zigzag_max"] == pytest.approx(1.0)
     assert summary["8/8"]["dcp_over_lower_bound_time_weighted"] == pytest.approx(1.0)
+    assert "inter_node_bytes_over_zigzag_geomean" not in summary["8/8"]  # (one node: no slow link)

@@ -137,6 +137,16 @@ def test_explain_mentions_balance_bytes_and_stages():
         assert word in text
     s = plan.stats()
     assert sum(s["bytes_sent_fwd"]) == sum(s["bytes_recv_fwd"]) == s["bytes_fwd"]
+    assert s["bytes_inter_node_fwd"] == s["bytes_inter_node_bwd"] == 0  # (one node)
+    assert "between nodes" in text
+
+
+def test_stats_count_the_bytes_between_nodes():
+    plan = make_plan(MaskSpec.documents(_long_tail_docs(3, 24_000)), 6, block_size=128,
+                     topology=Topology(ranks_per_node=2), **HEADS)
+    s = plan.stats()
+    assert 0 < s["bytes_inter_node_fwd"] < s["bytes_fwd"] and 0 < s["bytes_inter_node_bwd"] < s["bytes_bwd"]
+    assert s["bytes_inter_node_fwd"] + s["bytes_inter_node_bwd"] == _inter_node_bytes(plan)
 
 
 def test_large_batches_are_planned_on_merged_blocks_and_stay_exact():
