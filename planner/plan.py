@@ -228,13 +228,18 @@ class Plan:
         """Short text summary: balance, bytes, stages, simulated time."""
         s = self._stats
         mb = 1 / 2**20
+
+        def inter(direction):  # the slow links' share, on several nodes
+            if self.world_size <= self.topology.ranks_per_node:
+                return ""
+            return f" ({s[f'bytes_inter_node_{direction}'] * mb:.1f} between nodes)"
+
         lines = [
             f"Plan[{self.strategy}] P={self.world_size} T={self.total_len} B={self.block_size} "
             f"blocks={self.num_blocks} tiles={self.tile_q.numel()} stages={self.num_stages}",
             f"  memory: tokens/rank min {min(s['tokens'])} max {max(s['tokens'])} (max/mean {s['memory_imbalance']:.3f})",
             f"  compute: max/mean {s['compute_imbalance']:.3f}, total {sum(s['flops_fwd']) / 1e12:.3f} TFLOP fwd",
-            f"  bytes: fwd {s['bytes_fwd'] * mb:.1f} MiB ({s['bytes_inter_node_fwd'] * mb:.1f} between nodes), "
-            f"bwd {s['bytes_bwd'] * mb:.1f} MiB ({s['bytes_inter_node_bwd'] * mb:.1f}) "
+            f"  bytes: fwd {s['bytes_fwd'] * mb:.1f} MiB{inter('fwd')}, bwd {s['bytes_bwd'] * mb:.1f} MiB{inter('bwd')} "
             f"(gradient partials in {str(self.grad_comm_dtype).removeprefix('torch.')}), "
             f"transfers {s['transfers']}, KV relayed inside nodes {s['kv_relays']}",
             f"  sim time (H200 model): fwd {s['sim_time_fwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_fwd'] * 1e3:.3f}),"
