@@ -39,7 +39,10 @@ No initial placement dominates (measured over the benchmark batches: on one node
 "contiguous" reach the same time, fcp with 40-60% fewer bytes on Wikipedia batches, more on long
 documents; on several nodes each of the five candidates wins somewhere, and batches with hot rows
 add "dealt"), so dcp plans them in turn and keeps the one with the lowest simulated forward +
-backward time, stopping early once a plan is within 5% of the lower bound. With more than two
+backward time, stopping early once a plan is within 5% of the lower bound - except on one node
+where most of the compute lies in segments longer than a rank's memory: there every candidate is
+planned, and of those within 5% of the bound and 2% of the fastest the one moving the fewest bytes
+is kept ("contiguous" on long documents: rows move to the ranks holding their KV). With more than two
 candidates they are first ranked on 2x-merged blocks and only the best two are planned at full
 resolution. On several nodes the three fastest candidates get relays and join a relay-aware
 "hierarchical" plan (``RELAY_AWARE_INITS``) as finalists; the two fastest finalists are refined
