@@ -67,13 +67,19 @@ class TileSet:
         return np.minimum(self.block_size, self.total_len - starts)
 
     def crossing_counts(self) -> np.ndarray:
-        """int64 [nB + 1]: for boundary j (between blocks j-1 and j), the tiles whose q and kv lie on
-        opposite sides; cutting the block sequence there forces that many tiles to move data."""
-        lo = np.minimum(self.q, self.kv)
-        hi = np.maximum(self.q, self.kv)
-        size = self.num_blocks + 2
-        diff = np.bincount(lo + 1, minlength=size) - np.bincount(hi + 1, minlength=size)
-        return np.cumsum(diff)[: self.num_blocks + 1]
+        """int64 [nB + 1], read-only: for boundary j (between blocks j-1 and j), the tiles whose q and kv
+        lie on opposite sides; cutting the block sequence there forces that many tiles to move data.
+        Computed once per TileSet (dcp's candidates and its segment test all read it)."""
+        cached = self.__dict__.get("_crossing")
+        if cached is None:
+            lo = np.minimum(self.q, self.kv)
+            hi = np.maximum(self.q, self.kv)
+            size = self.num_blocks + 2
+            diff = np.bincount(lo + 1, minlength=size) - np.bincount(hi + 1, minlength=size)
+            cached = np.cumsum(diff)[: self.num_blocks + 1]
+            cached.setflags(write=False)
+            object.__setattr__(self, "_crossing", cached)  # (frozen dataclass: a private memo)
+        return cached
 
 
 def coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
