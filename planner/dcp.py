@@ -53,7 +53,8 @@ baseline ("zigzag-ring") is a candidate too, and the final plan is checked again
 at full resolution (skipped for a baseline ``BASELINE_MARGIN`` slower on the merged blocks), so
 dcp is never slower than them in the cost model. A multi-node plan still ``SECOND_OPINION`` times the
 bound gets a second opinion: balanced again with its homes' inter-node sends priced as spread over
-their node's NICs (from "hierarchical" and from its own homes), refined alike, the faster kept.
+their node's NICs (from "hierarchical", from "hierarchical" with each node's blocks that other nodes
+read dealt over its ranks, and from its own homes), refined alike, the faster kept.
 Batches with many tiles are planned on merged blocks (``coarsen``) and mapped back, which keeps
 planning time near-linear in the batch.
 """
@@ -126,6 +127,14 @@ RELAY_AWARE_INITS = ("hierarchical",)
 # (bf16 partials) 32/8 goes 1.241 -> 1.228 for +6% planning time; from 1.15 on: 1.226 for +29%, from
 # 1.5 on: nothing.
 SECOND_OPINION = 1.25
+# The second opinion's starts besides the first plan's homes: "hierarchical", and the same with each
+# node's blocks that other nodes read dealt over the node's ranks ("hierarchical-spread",
+# ``spread_read_blocks``). A long document's part on a node then leaves through every NIC of the node
+# in exchange 0, when only the homes hold it and no relay can help yet. Seven 1M-token / 64-rank
+# Wikipedia batches, fwd+bwd / bound with fp32 partials: 2.25 -> 1.56 (an 84K-token document),
+# 1.56 -> 1.29, 1.28 -> 1.31, the others unchanged; bf16: 1.84 -> 1.38, 1.53 -> 1.35, 1.28 -> 1.16,
+# 1.23 -> 1.19. On the 128K benchmark cases it never wins.
+SECOND_OPINION_INITS = ("hierarchical", "hierarchical-spread")
 # A q-row with more than HOT_ROW times the mean row's pairs, read from more than HOT_SPAN of the blocks, is
 # "hot" (causal_blockwise's last block reads the whole sequence): batches with hot rows also get the
 # "dealt" candidate (``dealt_home``). On the benchmark's document masks it never won, hence the span.
@@ -182,6 +191,37 @@ def dealt_home(tiles: TileSet, world_size: int, *, topology) -> np.ndarray:
     bounds[-1] = num_cool
     home[cool] = runs_to_home(bounds, ranks, num_cool)
     return home
+
+
+def spread_read_blocks(tiles: TileSet, home: np.ndarray, topology) -> np.ndarray:
+    """``home`` with, inside each node, the blocks whose KV other nodes read dealt round-robin over the
+    node's ranks (as evenly as each rank's block count allows) and the other blocks in contiguous
+    runs over the room left; every rank keeps its number of blocks, every block its node. Their
+    inter-node sends then leave through every NIC of the node rather than one home's."""
+    rpn = topology.ranks_per_node
+    node = home // rpn
+    read = np.zeros(tiles.num_blocks, dtype=bool)
+    read[tiles.kv[node[tiles.q] != node[tiles.kv]]] = True
+    out = home.copy()
+    for n in np.unique(node).tolist():
+        blocks = np.flatnonzero(node == n)  # ascending
+        count = np.bincount(home[blocks] - n * rpn, minlength=rpn)
+        dealt = blocks[read[blocks]]
+        if dealt.size == 0:
+            continue
+        # as even as the counts allow: up to level - 1 each, one more for the lowest ranks that can
+        level = 0
+        while int(np.minimum(count, level).sum()) < dealt.size:
+            level += 1
+        take = np.minimum(count, level - 1)
+        take[np.flatnonzero(count >= level)[: dealt.size - int(take.sum())]] += 1
+        # deal in rounds: round j gives one block to every rank with take > j, lowest rank first
+        rounds = np.concatenate([np.flatnonzero(take > j) for j in range(int(take.max()))])
+        out[dealt] = n * rpn + rounds
+        rest = blocks[~read[blocks]]
+        room = count - take
+        out[rest] = n * rpn + np.repeat(np.arange(rpn), room)
+    return out
 
 
 def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int,
@@ -275,7 +315,7 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     """dcp's placement before the baseline check and the transit relays. ``relays=False``: without
     node-level relays and the refinements that redo them (the balanced candidates alone).
     ``second_opinion`` (several nodes; a first plan's block homes, or none: empty): the second opinion,
-    i.e. the ``RELAY_AWARE_INITS`` placements and these homes balanced with the homes' inter-node sends
+    i.e. the ``SECOND_OPINION_INITS`` placements and these homes balanced with the homes' inter-node sends
     priced on their node's NICs, refined alike, and no other candidate."""
     factor = coarsening_factor(tiles, world_size)
     if factor > 1:
@@ -323,7 +363,7 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     # finalists: (placement, balanced relay-aware already)
     finalists = [(placement, False) for _, _, placement in sorted(planned, key=lambda item: item[:2])[:RELAY_TOP]]
     if second_opinion is not None:
-        homes = [_initial_home(tiles, world_size, name, cost_model, sizes) for name in RELAY_AWARE_INITS]
+        homes = [_initial_home(tiles, world_size, name, cost_model, sizes) for name in SECOND_OPINION_INITS]
         if second_opinion.size and not any(np.array_equal(home, second_opinion) for home in homes):
             homes.append(second_opinion)  # (the first plan's homes are often hierarchical's own)
         finalists = [(_place(tiles, world_size, None, cost_model, max_stages, sizes, home=home, relays=relays,
@@ -449,6 +489,9 @@ def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostMo
     num_q_heads, head_dim = sizes["num_q_heads"], sizes["head_dim"]
     if init == "contiguous":
         return contiguous_cut_home(tiles, world_size)
+    if init == "hierarchical-spread":
+        home = _initial_home(tiles, world_size, "hierarchical", cost_model, sizes)
+        return spread_read_blocks(tiles, home, cost_model.topology)
     if init in ("hierarchical", "hierarchical-fcp"):
         return hierarchical_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
                                  inner="fcp" if init == "hierarchical-fcp" else "contiguous",
@@ -464,8 +507,8 @@ def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostMo
 
         return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
                         documents=init == "fcp-docs")
-    raise ValueError(f"unknown dcp init {init!r}; choose contiguous, hierarchical, hierarchical-fcp, zigzag, fcp, "
-                     "fcp-docs or dealt")
+    raise ValueError(f"unknown dcp init {init!r}; choose contiguous, hierarchical, hierarchical-fcp, "
+                     "hierarchical-spread, zigzag, fcp, fcp-docs or dealt")
 
 
 def _scored(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, sizes: dict) -> Placement:

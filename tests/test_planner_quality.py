@@ -686,3 +686,33 @@ def test_grouped_cumsum_sums_each_keys_values_up_to_each_position(keys, grouped)
     want = np.array([value[:i + 1][key[:i + 1] == key[i]].sum() for i in range(key.size)])
     got = _grouped_cumsum(key, value)
     assert got.shape == want.shape and np.allclose(got, want, rtol=0, atol=1e-12 * max(1.0, value.sum()))
+
+
+@pytest.mark.parametrize("world_size,ranks_per_node", [(8, 4), (6, 4), (9, 3)])
+def test_spread_read_blocks_deals_a_nodes_read_blocks_over_its_ranks(world_size, ranks_per_node):
+    """``spread_read_blocks`` (the second opinion's "hierarchical-spread" start): a 20K-token document
+    crossing nodes; inside each node the blocks other nodes read are dealt over the node's ranks (as
+    evenly as their block counts allow), and every rank keeps its block count, every block its node."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.documents([3000, 20000, 1000, 4000, 500]).block_mask(128))
+    topo = Topology(ranks_per_node=ranks_per_node)
+    sizes = dict(element_size=2, grad_element_size=4, **HEADS)
+    home = dcp_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
+    spread = dcp_module.spread_read_blocks(tiles, home, topo)
+    assert np.array_equal(np.bincount(spread, minlength=world_size), np.bincount(home, minlength=world_size))
+    node = home // ranks_per_node
+    assert np.array_equal(spread // ranks_per_node, node)
+    read = np.zeros(tiles.num_blocks, dtype=bool)
+    read[tiles.kv[node[tiles.q] != node[tiles.kv]]] = True
+    assert read.any()
+    count = np.bincount(home, minlength=world_size)
+    for n in np.unique(node):
+        ranks = np.arange(n * ranks_per_node, min((n + 1) * ranks_per_node, world_size))
+        dealt = np.bincount(spread[read & (node == n)], minlength=world_size)[ranks]
+        if dealt.sum():
+            # even, unless a rank ran out of blocks
+            assert dealt.max() - dealt[dealt < count[ranks]].min(initial=dealt.max()) <= 1, (n, dealt, count[ranks])
+    assert np.array_equal(dcp_module._initial_home(tiles, world_size, "hierarchical-spread", CostModel(topology=topo),
+                                                   sizes), spread)

@@ -407,7 +407,8 @@ def test_hand_made_transit_relay():
 
 def test_dcp_keeps_transit_relays_where_they_are_faster(monkeypatch):
     """Documents of 6000, 5000 and 800 tokens on 3 nodes of 2 ranks: dcp's plan relays KV through ranks
-    that compute nothing with it, and is faster for it (1.71 -> 1.58x the bound)."""
+    that compute nothing with it, and is faster for it (1.61 -> 1.58x the bound; without the second
+    opinion's "hierarchical-spread" start, whose homes already spread the sends over the NICs, 1.71)."""
     from blockattn.planner import dcp as dcp_module
 
     spec = MaskSpec.documents([6000, 5000, 800])
@@ -422,7 +423,7 @@ def test_dcp_keeps_transit_relays_where_they_are_faster(monkeypatch):
     monkeypatch.setattr(dcp_module, "add_transit", lambda tiles, placement, **_: placement)
     without = make_plan(spec, 6, **kw)
     time = lambda p: p.stats()["sim_time_fwd"] + p.stats()["sim_time_bwd"]  # noqa: E731
-    assert time(plan) < 0.95 * time(without)
+    assert time(plan) < 0.99 * time(without)
     clear_plan_cache()
 
 
