@@ -45,8 +45,10 @@ planned, and of those within 5% of the bound and 2% of the fastest the one movin
 is kept ("contiguous" on long documents: rows move to the ranks holding their KV). With more than two
 candidates they are first ranked on 2x-merged blocks and only the best two are planned at full
 resolution. On several nodes the three fastest candidates get relays and join a relay-aware
-"hierarchical" plan (``RELAY_AWARE_INITS``) as finalists; the two fastest finalists are refined
-(relay-aware rebalancing of their data placement, restaging with front-loaded transfers, with all
+"hierarchical" plan (``RELAY_AWARE_INITS``) and a relay-aware "hierarchical-spread" one
+(``RELAY_AWARE_EXTRA``: each node's blocks that other nodes read dealt over its ranks) as
+finalists; the two fastest finalists are refined (relay-aware rebalancing of their data placement,
+restaging with front-loaded transfers, with all
 ranks' items staged against receivers' and senders' compute alike, and with each rank's own best
 budget scale, each kept only where faster) and the faster result is kept. The plain zigzag
 baseline ("zigzag-ring") is a candidate too, and the final plan is checked against both baselines
@@ -117,6 +119,11 @@ ADAPTIVE_SCALES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # document's part on a node in contiguous runs, so one rank can hold most of its compute, and only
 # this pricing lets it shed rows to its node-mates (1M tokens / 64 ranks: 2.76 -> 2.53 x the bound).
 RELAY_AWARE_INITS = ("hierarchical",)
+# ... and these always (unless an init is forced), as relay-aware finalists only: "hierarchical-spread"
+# (``spread_read_blocks``, see SECOND_OPINION_INITS). 128K benchmark cases, fp32 partials: 5 shared-
+# question plans 1-4% faster (32/8 geomean 1.375 -> 1.372), none slower; bf16: 3 faster, one 0.3%
+# slower; 1M / 64 ranks, one Wikipedia batch 1.66 -> 1.57x the bound; +2-10% planning time.
+RELAY_AWARE_EXTRA = ("hierarchical-spread",)
 # Several nodes, a final plan slower than SECOND_OPINION x the lower bound (fwd + bwd): planned again
 # with the homes' inter-node KV sends priced as spread over their node's NICs (``Balancer(spread_sends=
 # True)``, which home-side transit relays then realize), from RELAY_AWARE_INITS and from the first
@@ -376,7 +383,8 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
         # scored with their relays: ranked before relays they would look slow
         finalists += [(_place(tiles, world_size, name, cost_model, max_stages, sizes, relays=relays,
                               relay_aware=True)[0], True)
-                      for name in RELAY_AWARE_INITS if name in inits]
+                      for name in [n for n in RELAY_AWARE_INITS if n in inits]
+                      + (list(RELAY_AWARE_EXTRA) if init is None else [])]
     finalists.sort(key=lambda item: item[0].sim_time)  # stable: first of equals in candidate order
     if relays and multi_node and finalists[0][0].sim_time > good_enough:
         # the refinements gain unequally: the two fastest finalists are refined, the faster result kept

@@ -716,3 +716,27 @@ def test_spread_read_blocks_deals_a_nodes_read_blocks_over_its_ranks(world_size,
             assert dealt.max() - dealt[dealt < count[ranks]].min(initial=dealt.max()) <= 1, (n, dealt, count[ranks])
     assert np.array_equal(dcp_module._initial_home(tiles, world_size, "hierarchical-spread", CostModel(topology=topo),
                                                    sizes), spread)
+
+
+def test_a_forced_init_plans_no_extra_relay_aware_finalist(monkeypatch):
+    """``dcp(init=...)`` plans that initial placement alone: RELAY_AWARE_EXTRA's "hierarchical-spread"
+    finalist joins only the default candidates."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.documents([6000, 5000, 800]).block_mask(128))
+    cm = CostModel(topology=Topology(ranks_per_node=2))
+    sizes = dict(element_size=2, grad_element_size=4, **HEADS)
+    calls = []
+    real = dcp_module._initial_home
+
+    def recording(tiles, world_size, init, cost_model, sizes):
+        calls.append(init)
+        return real(tiles, world_size, init, cost_model, sizes)
+
+    monkeypatch.setattr(dcp_module, "_initial_home", recording)
+    dcp_module._dcp(tiles, 6, cm, 4, sizes, "fcp")
+    assert set(calls) == {"fcp"}
+    calls.clear()
+    dcp_module._dcp(tiles, 6, cm, 4, sizes, None)
+    assert "hierarchical-spread" in calls

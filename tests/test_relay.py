@@ -531,7 +531,7 @@ def test_one_finisher_finishes_every_relay_table_as_a_fresh_one_would():
     tiles = TileSet.from_block_mask(spec.block_mask(128))
     cm = CostModel(topology=Topology(ranks_per_node=2))
     sizes = dict(SIZES, grad_element_size=4)
-    base = dcp_module._dcp(tiles, 6, cm, 4, sizes, None, relays=False)
+    base = dcp_module._place(tiles, 6, "hierarchical", cm, 4, sizes, relays=False)[0]
     _, variants = relay_variants(tiles, base, world_size=6, cost_model=cm, max_stages=4, sizes=sizes)
     home, rank, stage = base.block_home, base.tile_rank, base.tile_stage
     remote = home[tiles.kv] != rank
