@@ -398,12 +398,14 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
 
 
 def _mostly_split_segments(tiles: TileSet, world_size: int) -> bool:
-    """Whether most of the compute lies in segments (planner/fcp.py ``segments``) longer than a rank's
-    memory share: cut up in any placement, where runs along memory ("contiguous") may read less KV
-    than FCP's zigzag groups (every long-tail benchmark batch on 8 ranks; no Wikipedia one)."""
+    """Whether most of the compute lies in segments (planner/fcp.py ``segments``, documents cut at the
+    blocks they start in, so short documents that share blocks stay apart) longer than a rank's memory
+    share: cut up in any placement, where runs along memory ("contiguous") may read less KV than FCP's
+    zigzag groups (the long-tail benchmark batches on 8 ranks, and Wikipedia batch 2 with its long
+    documents; a shared question is read across every cut, so such a batch is one segment)."""
     from .fcp import segments
 
-    bounds = segments(tiles)
+    bounds = segments(tiles, documents=True)
     work = np.bincount(tiles.q, weights=tiles.pairs, minlength=tiles.num_blocks)
     prefix = np.r_[0.0, np.cumsum(work)]
     long = np.diff(bounds) > -(-tiles.num_blocks // world_size)

@@ -740,3 +740,17 @@ def test_a_forced_init_plans_no_extra_relay_aware_finalist(monkeypatch):
     calls.clear()
     dcp_module._dcp(tiles, 6, cm, 4, sizes, None)
     assert "hierarchical-spread" in calls
+
+
+def test_mostly_split_segments_by_hand():
+    """The one-node fewest-bytes rule looks at both candidates only where most of the compute lies in
+    segments longer than a rank's memory (here 4096 tokens on 4 ranks of a 16K batch)."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.tiles import TileSet
+
+    def split(lens):
+        return dcp_module._mostly_split_segments(TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(128)), 4)
+
+    assert not split([1000] * 16 + [384])  # short documents: each fits a rank
+    assert split([12000, 4384])  # one long document holds most of the compute
+    assert not split([4500, 3500, 3500, 3500, 1384])  # one longer than 4096, a third of the compute
