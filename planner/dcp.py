@@ -120,13 +120,14 @@ ADAPTIVE_SCALES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # this pricing lets it shed rows to its node-mates (1M tokens / 64 ranks: 2.76 -> 2.53 x the bound).
 RELAY_AWARE_INITS = ("hierarchical",)
 # ... and these always (unless an init is forced), as relay-aware finalists only: "hierarchical-spread"
-# (``spread_read_blocks``, see SECOND_OPINION_INITS). 128K benchmark cases, fp32 partials: 5 shared-
-# question plans 1-4% faster (32/8 geomean 1.375 -> 1.372), none slower; bf16: 3 faster, one 0.3%
-# slower; 1M / 64 ranks, one Wikipedia batch 1.66 -> 1.57x the bound; +2-10% planning time.
+# (``spread_read_blocks``, see SECOND_OPINION_INITS). 128K benchmark cases, fp32 partials: three
+# shared-question plans 1-4% faster (32/8 geomean 1.375 -> 1.372), none slower; bf16: three 0.4-2.4%
+# faster, one 0.3% slower; 1M / 64 ranks: one Wikipedia batch 1.66 -> 1.57x the bound (fp32), another
+# 1.58 -> 1.49x (bf16); +2-10% planning time.
 RELAY_AWARE_EXTRA = ("hierarchical-spread",)
 # Several nodes, a final plan slower than SECOND_OPINION x the lower bound (fwd + bwd): planned again
 # with the homes' inter-node KV sends priced as spread over their node's NICs (``Balancer(spread_sends=
-# True)``, which home-side transit relays then realize), from RELAY_AWARE_INITS and from the first
+# True)``, which home-side transit relays then realize), from SECOND_OPINION_INITS and from the first
 # plan's homes, refined and transit-relayed alike; the faster of the two plans is kept. It pays where a
 # document needs more than its homes' node can compute. 1M tokens / 64 ranks, seven Wikipedia batches
 # (fp32 partials): 2.17 -> 1.50, 1.91 -> 1.56, 1.37 -> 1.23, 1.45 -> 1.28, 3.17 -> 2.25, 1.76 -> 1.66 x
