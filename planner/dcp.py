@@ -143,6 +143,12 @@ SECOND_OPINION = 1.25
 # 1.56 -> 1.29, 1.28 -> 1.31, the others unchanged; bf16: 1.84 -> 1.38, 1.53 -> 1.35, 1.28 -> 1.16,
 # 1.23 -> 1.19. On the 128K benchmark cases it never wins.
 SECOND_OPINION_INITS = ("hierarchical", "hierarchical-spread")
+# The second opinion's finalists within RECHECK of the fastest are all carried to full resolution and
+# compared after their transit relays: merged blocks rank near-equal plans unreliably, and transit
+# relays gain less on homes already spread. 1M / 64 ranks, the bench batch: 1.632 vs 1.634 x the bound
+# merged, 1.50 vs 1.38 final (fp32 partials; bf16 1.33 -> 1.22); another batch 1.31 -> 1.28. Finalists
+# further off were not faster over the seven batches, and each one carried costs ~0.3 s at 1M.
+RECHECK = 1.10
 # A q-row with more than HOT_ROW times the mean row's pairs, read from more than HOT_SPAN of the blocks, is
 # "hot" (causal_blockwise's last block reads the whole sequence): batches with hot rows also get the
 # "dealt" candidate (``dealt_home``). On the benchmark's document masks it never won, hence the span.
@@ -310,21 +316,26 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     # NIC (transit relays, planner/relay.py), kept where faster
     result = add_transit(tiles, result, world_size=world_size, cost_model=cost_model, sizes=sizes)
     if not one_node and result.sim_time > SECOND_OPINION * _lower_bound(tiles, world_size, cost_model, sizes):
-        alt = _scored(tiles, _dcp(tiles, world_size, cost_model, max_stages, sizes, None,
-                                  second_opinion=result.block_home), world_size, cost_model, sizes)
-        alt = add_transit(tiles, alt, world_size=world_size, cost_model=cost_model, sizes=sizes)
-        if alt.sim_time < result.sim_time:
-            result = alt
+        # every refined finalist gets its transit relays before they are compared: they gain less on
+        # homes that already spread a node's sends ("hierarchical-spread")
+        for alt in _dcp(tiles, world_size, cost_model, max_stages, sizes, None, second_opinion=result.block_home,
+                        every_finalist=True):
+            alt = add_transit(tiles, _scored(tiles, alt, world_size, cost_model, sizes), world_size=world_size,
+                              cost_model=cost_model, sizes=sizes)
+            if alt.sim_time < result.sim_time:
+                result = alt
     return result
 
 
 def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
-         init: str | None, relays: bool = True, second_opinion: np.ndarray | None = None) -> Placement:
+         init: str | None, relays: bool = True, second_opinion: np.ndarray | None = None,
+         every_finalist: bool = False) -> Placement | list:
     """dcp's placement before the baseline check and the transit relays. ``relays=False``: without
     node-level relays and the refinements that redo them (the balanced candidates alone).
     ``second_opinion`` (several nodes; a first plan's block homes, or none: empty): the second opinion,
     i.e. the ``SECOND_OPINION_INITS`` placements and these homes balanced with the homes' inter-node sends
-    priced on their node's NICs, refined alike, and no other candidate."""
+    priced on their node's NICs, refined alike, and no other candidate. ``every_finalist``: the
+    (refined) finalists within RECHECK of the fastest, fastest first, instead of the fastest alone."""
     factor = coarsening_factor(tiles, world_size)
     if factor > 1:
         coarse, of_fine = coarsen(tiles, factor)
@@ -334,16 +345,19 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
             merged = second_opinion[np.arange(coarse.num_blocks) * factor]
             whole = np.array_equal(merged[np.arange(tiles.num_blocks) // factor], second_opinion)
             second_opinion = merged if whole else merged[:0]
-        plan = _dcp(coarse, world_size, cost_model, max_stages, sizes, init, relays, second_opinion)
-        # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
-        # inputs, so they are home / received by that stage; the schedule is derived afresh.
-        fine = Placement(block_home=plan.block_home[np.arange(tiles.num_blocks) // factor],
-                         tile_rank=plan.tile_rank[of_fine], tile_stage=plan.tile_stage[of_fine])
-        # relays found on merged blocks do not carry over (the fine schedule is derived afresh)
-        if not relays:
-            return fine
-        return add_relays(tiles, fine, world_size=world_size, cost_model=cost_model, max_stages=max_stages,
-                          sizes=sizes)
+        plans = _dcp(coarse, world_size, cost_model, max_stages, sizes, init, relays, second_opinion, every_finalist)
+        fines = []
+        for plan in plans if every_finalist else [plans]:
+            # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
+            # inputs, so they are home / received by that stage; the schedule is derived afresh.
+            fine = Placement(block_home=plan.block_home[np.arange(tiles.num_blocks) // factor],
+                             tile_rank=plan.tile_rank[of_fine], tile_stage=plan.tile_stage[of_fine])
+            # relays found on merged blocks do not carry over (the fine schedule is derived afresh)
+            if relays:
+                fine = add_relays(tiles, fine, world_size=world_size, cost_model=cost_model, max_stages=max_stages,
+                                  sizes=sizes)
+            fines.append(fine)
+        return fines if every_finalist else fines[0]
     if second_opinion is not None:
         inits = []
     elif init is not None:
@@ -395,6 +409,10 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
                 placement = _relay_balanced(tiles, placement, world_size, cost_model, max_stages, sizes)
             refined.append((_restaged(tiles, placement, world_size, cost_model, max_stages, sizes), balanced))
         finalists = refined
+    if every_finalist:
+        fastest = min(placement.sim_time for placement, _ in finalists)
+        return sorted((placement for placement, _ in finalists if placement.sim_time <= RECHECK * fastest),
+                      key=lambda placement: placement.sim_time)
     return min(finalists, key=lambda item: item[0].sim_time)[0]
 
 
