@@ -56,7 +56,9 @@ at full resolution (skipped for a baseline ``BASELINE_MARGIN`` slower on the mer
 dcp is never slower than them in the cost model. A multi-node plan still ``SECOND_OPINION`` times the
 bound gets a second opinion: balanced again with its homes' inter-node sends priced as spread over
 their node's NICs (from "hierarchical", from "hierarchical" with each node's blocks that other nodes
-read dealt over its ranks, and from its own homes), refined alike, the faster kept.
+read dealt over its ranks, and from its own homes), refined alike; its finalists within ``RECHECK``
+of the fastest go to full resolution and get their transit relays before they are compared, and
+the fastest plan is kept.
 Batches with many tiles are planned on merged blocks (``coarsen``) and mapped back, which keeps
 planning time near-linear in the batch.
 """
