@@ -232,6 +232,11 @@ def _geomean(x: np.ndarray) -> float:
     return float(np.exp(np.mean(np.log(x))))
 
 
+def _bytes_over_zigzag(s, key: str) -> np.ndarray:
+    """dcp's ``key`` bytes over zigzag's per case (each at least 1, so a plan moving nothing counts as 1)."""
+    return np.maximum(1, s("dcp", key)) / np.maximum(1, s("zigzag", key))
+
+
 def _columns(rows: list):
     """(value, step) for these results: ``value(strategy, key)`` as a float array over the rows, and
     ``step(strategy)`` its forward + backward simulated time."""
@@ -270,8 +275,7 @@ def summary(results: list) -> dict:
             "dcp_over_lower_bound_max": float((dcp_t / s("dcp", "lower_bound_fwd")).max()),
             "dcp_bwd_over_lower_bound_max": float((s("dcp", "sim_time_bwd") / s("dcp", "lower_bound_bwd")).max()),
             "dcp_imbalance_max": float(s("dcp", "compute_imbalance").max()),
-            "dcp_bytes_over_zigzag_geomean": _geomean(
-                np.maximum(1, s("dcp", "bytes_fwd")) / np.maximum(1, s("zigzag", "bytes_fwd"))),
+            "dcp_bytes_over_zigzag_geomean": _geomean(_bytes_over_zigzag(s, "bytes_fwd")),
             "dcp_bytes_over_zigzag_max": float((s("dcp", "bytes_fwd") / np.maximum(1, s("zigzag", "bytes_fwd"))).max()),
             "dcp_bytes_over_zigzag_ring_max": float((s("dcp", "bytes_fwd") / s("zigzag-ring", "bytes_fwd")).max()),
             "fcp_speedup_vs_zigzag_geomean": _geomean(zz_t / s("fcp", "sim_time_fwd")),
@@ -299,12 +303,11 @@ def by_configuration(results: list) -> dict:
             "speedup_vs_zigzag_geomean": _geomean(step("zigzag") / step("dcp")),
             "speedup_vs_zigzag_min": float((step("zigzag") / step("dcp")).min()),
             "speedup_vs_zigzag_ring_geomean": _geomean(step("zigzag-ring") / step("dcp")),
-            "bytes_over_zigzag_geomean": _geomean(
-                np.maximum(1, s("dcp", "bytes_fwd")) / np.maximum(1, s("zigzag", "bytes_fwd"))),
+            "bytes_over_zigzag_geomean": _geomean(_bytes_over_zigzag(s, "bytes_fwd")),
             "bytes_over_zigzag_ring_geomean": _geomean(s("dcp", "bytes_fwd") / s("zigzag-ring", "bytes_fwd")),
         }
         if P > rpn:  # the slow links: NIC bytes (a relay's NVLink hop counts in the bytes above only)
-            inter = np.maximum(1, s("dcp", "bytes_inter_node_fwd")) / np.maximum(1, s("zigzag", "bytes_inter_node_fwd"))
+            inter = _bytes_over_zigzag(s, "bytes_inter_node_fwd")
             out[f"{P}/{rpn}"]["inter_node_bytes_over_zigzag_geomean"] = _geomean(inter)
             out[f"{P}/{rpn}"]["inter_node_bytes_over_zigzag_max"] = float(inter.max())
     return out

@@ -374,11 +374,13 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
         inits = _preselect(tiles, world_size, inits, cost_model, max_stages, sizes)
     good_enough = GOOD_ENOUGH * _lower_bound(tiles, world_size, cost_model, sizes)
     multi_node = world_size > cost_model.topology.ranks_per_node
+    # one node, mostly long documents: every candidate, for the fewest bytes among the near-fastest
+    plan_all = not multi_node and _mostly_split_segments(tiles, world_size)
     planned = []  # (time, order, placement) before relays
     for name in inits:
         placement, sim_time = _place(tiles, world_size, name, cost_model, max_stages, sizes, relays=False)
         planned.append((sim_time, len(planned), placement))
-        if sim_time <= good_enough and (multi_node or not _mostly_split_segments(tiles, world_size)):
+        if sim_time <= good_enough and not plan_all:
             break  # cannot gain more than a few percent: skip the other candidates
     if not multi_node:
         return _fewest_bytes(tiles, [placement for _, _, placement in planned], good_enough, sizes)

@@ -51,8 +51,8 @@ from .cost_model import CostModel
 from .placement import Placement, compact_stages
 from .stages import (Finisher, backward_stages, backward_time, choose_backward_staging,
                      local_tiles_by_rank, local_work, spread_backward_local)
-from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, payload_bytes,
-                       receive_groups, row_bytes, schedule_rows)
+from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, input_groups,
+                       payload_bytes, receive_groups, row_bytes, schedule_rows)
 from .tiles import TileSet
 
 
@@ -374,8 +374,7 @@ class _Scorer:
             t, nB, rq, rk = self.tiles, self.tiles.num_blocks, self.remote_q, self.remote_kv
 
             def groups(stage_bwd):
-                return (receive_groups(self.rank[rq], t.q[rq], stage_bwd[rq], nB),
-                        receive_groups(self.rank[rk], t.kv[rk], stage_bwd[rk], nB))
+                return input_groups(self.rank, t.q, t.kv, stage_bwd, rq, rk, nB)
 
             def bwd_comm(groups):
                 rows = schedule_rows(self.home, self.q_groups, self.kv_groups, num_blocks=nB, num_stages=num_stages,

@@ -170,6 +170,14 @@ def receive_groups(rank: np.ndarray, block: np.ndarray, stage: np.ndarray, num_b
     return uniq // num_blocks, uniq % num_blocks, first[uniq], last[uniq]
 
 
+def input_groups(rank: np.ndarray, q: np.ndarray, kv: np.ndarray, stage: np.ndarray, remote_q: np.ndarray,
+                 remote_kv: np.ndarray, num_blocks: int) -> tuple:
+    """(q, kv) ``receive_groups`` of the tiles' remote q-blocks (``remote_q``) and kv-blocks (``remote_kv``)
+    under per-tile ``stage``: one receive group per remote (rank, block) input."""
+    return (receive_groups(rank[remote_q], q[remote_q], stage[remote_q], num_blocks),
+            receive_groups(rank[remote_kv], kv[remote_kv], stage[remote_kv], num_blocks))
+
+
 def _rows(stage, src, dst, kind: int, block) -> np.ndarray:
     return np.stack([stage, src, dst, np.full_like(stage, kind), block], axis=1)
 
@@ -217,8 +225,7 @@ def derive_schedule(block_home, tile_q, tile_kv, tile_rank, tile_stage, *, num_b
     remote_kv = home[kv] != rank
 
     def groups(stages):
-        return (receive_groups(rank[remote_q], q[remote_q], stages[remote_q], num_blocks),
-                receive_groups(rank[remote_kv], kv[remote_kv], stages[remote_kv], num_blocks))
+        return input_groups(rank, q, kv, stages, remote_q, remote_kv, num_blocks)
 
     bwd_groups = None if tile_stage_bwd is None else groups(np.asarray(tile_stage_bwd, dtype=np.int64))
     return schedule_from_groups(home, *groups(stage), num_blocks=num_blocks, num_stages=num_stages,

@@ -21,7 +21,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages, first_occurrence
-from .schedule import KIND_KV, KIND_Q, payload_bytes, receive_groups, row_bytes, schedule_from_groups
+from .schedule import KIND_KV, KIND_Q, input_groups, payload_bytes, row_bytes, schedule_from_groups
 
 
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
@@ -400,9 +400,8 @@ class Finisher:
 
     def _groups(self, stage: np.ndarray) -> tuple:
         """(q, kv) ``receive_groups`` of the remote inputs under per-tile ``stage``."""
-        nB, rq, rk, t = self.tiles.num_blocks, self.remote_q, self.remote_kv, self.tiles
-        return (receive_groups(self.rank[rq], t.q[rq], stage[rq], nB),
-                receive_groups(self.rank[rk], t.kv[rk], stage[rk], nB))
+        t = self.tiles
+        return input_groups(self.rank, t.q, t.kv, stage, self.remote_q, self.remote_kv, t.num_blocks)
 
     def _forward_groups(self) -> tuple:
         # moving purely local tiles between stages (the forward spread) changes no remote tile's stage
