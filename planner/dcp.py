@@ -35,9 +35,9 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
    On the final plan, KV that still crosses into a node for one rank alone may go through a
    transit rank of that node (``add_transit``), spreading a node's inbound KV over its NICs.
 
-No initial placement dominates (measured over the benchmark batches: on one node "fcp" and
-"contiguous" reach the same time, fcp with 40-60% fewer bytes on Wikipedia batches, more on long
-documents; on several nodes each of the five candidates wins somewhere, and batches with hot rows
+No initial placement dominates (measured over the benchmark batches: on one node "fcp-docs", "fcp"
+and "contiguous" reach about the same time, the FCP packings with 40-60% fewer bytes on Wikipedia
+batches, "contiguous" with fewer on long documents; on several nodes each of the five candidates wins somewhere, and batches with hot rows
 add "dealt"), so dcp plans them in turn and keeps the one with the lowest simulated forward +
 backward time, stopping early once a plan is within 5% of the lower bound - except on one node
 where most of the compute lies in segments longer than a rank's memory: there every candidate is
@@ -78,7 +78,10 @@ from .tiles import TileSet, coarsen
 CUT_SLACK = 0.03  # a run boundary may move by up to 3% of a run to find a cheaper cut
 # Initial data placements tried, in order of how often each won in bench/bench_planner.py runs; the
 # first plan within GOOD_ENOUGH of the lower bound (fwd + bwd) is kept without trying the rest.
-SINGLE_NODE_INITS = ("fcp", "contiguous")
+# One node: "fcp-docs" first, as fast as "fcp" or faster on 17 of the 19 one-node benchmark cases and
+# 14-52% fewer bytes on the Wikipedia causal/lambda batches (8 ranks: bytes over zigzag 1.76 -> 1.55
+# geomean, fwd+bwd over the bound 1.0174 -> 1.0161); "fcp" stays for the batches it moves fewer bytes on.
+SINGLE_NODE_INITS = ("fcp-docs", "fcp", "contiguous")
 # Several nodes: "zigzag" (the balanced zigzag placement) was dropped when "fcp-docs" came in: over the
 # benchmark cases it no longer won anywhere, and one candidate less keeps the relay finalists for the
 # others (fwd+bwd / bound on 16/8, 32/8, 16/4: 1.082 / 1.467 / 1.188 with it, 1.079 / 1.454 / 1.186 without).

@@ -469,10 +469,11 @@ def test_second_opinion_seeds_merged_blocks_only_with_whole_homes():
     assert counts.max() - counts.min() <= dcp_module.coarsening_factor(tiles, 4)
 
 
-def test_one_large_node_is_restaged_where_faster():
-    """12 ranks on one NVLink node, a 6K-token document among short ones, bf16 partials: the balanced
-    plan is 1.76x the bound; restaged as dcp restages multi-node finalists it is ~10% faster, and
-    dcp keeps that (the plan stays consistent)."""
+def test_one_large_node_is_restaged_where_faster(monkeypatch):
+    """12 ranks on one NVLink node, a 6K-token document among short ones, bf16 partials: from "fcp" the
+    balanced plan is 1.76x the bound; restaged as dcp restages multi-node finalists it is ~9% faster,
+    and dcp keeps that (the plan stays consistent). By default "fcp-docs", planned first, is faster
+    still (1.46x) and kept."""
     from blockattn.planner import check_plan
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.tiles import TileSet
@@ -482,10 +483,13 @@ def test_one_large_node_is_restaged_where_faster():
     cm = CostModel(topology=topo)
     sizes = dict(element_size=2, grad_element_size=2, **HEADS)
     tiles = TileSet.from_block_mask(spec.block_mask(128))
+    default_dcp_time = dcp_module.dcp(tiles, 12, cost_model=cm, max_stages=4, **sizes).sim_time
+    monkeypatch.setattr(dcp_module, "SINGLE_NODE_INITS", ("fcp",))
     first = dcp_module._scored(tiles, dcp_module._dcp(tiles, 12, cm, 4, sizes, None), 12, cm, sizes)
     restaged = dcp_module._restaged(tiles, first, 12, cm, 4, sizes)
     final = dcp_module.dcp(tiles, 12, cost_model=cm, max_stages=4, **sizes)
     assert final.sim_time == pytest.approx(restaged.sim_time) and final.sim_time < 0.95 * first.sim_time
+    assert default_dcp_time < 0.95 * final.sim_time
     check_plan(make_plan(spec, 12, block_size=128, topology=topo, grad_comm_dtype=torch.bfloat16, **HEADS))
 
 @pytest.mark.parametrize("mask", ["causal_blockwise", "shared_question"])
@@ -648,8 +652,9 @@ def test_document_segments_keep_a_short_document_on_one_node():
 
 def test_one_node_keeps_the_candidate_moving_the_fewest_bytes_among_near_equals(monkeypatch):
     """6 ranks on one node, a long-tail batch: from "fcp" the plan is ~1.015x the bound, from
-    "contiguous" ~1.020x with ~25% fewer bytes. Both within GOOD_ENOUGH of the bound and within
-    BYTES_SLACK of each other, so dcp keeps the latter; with no slack, the fastest."""
+    "contiguous" ~1.020x with ~25% fewer bytes. Of the candidates within GOOD_ENOUGH of the bound and
+    within BYTES_SLACK of the fastest dcp keeps the one moving the fewest bytes (here at least 15% fewer
+    than the fastest); with no slack, the fastest."""
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.schedule import row_bytes
     from blockattn.planner.tiles import TileSet
@@ -669,12 +674,20 @@ def test_one_node_keeps_the_candidate_moving_the_fewest_bytes_among_near_equals(
                                                      dcp_module.GOOD_ENOUGH * bound)
     assert moved(contiguous) < 0.85 * moved(fcp)
 
+    candidates = [dcp_module._place(tiles, 6, init, cm, 4, sizes, relays=False)[0]
+                  for init in dcp_module.SINGLE_NODE_INITS]
+    fastest = min(candidates, key=lambda p: p.sim_time)
+    fewest = min((p for p in candidates
+                  if p.sim_time <= min(dcp_module.BYTES_SLACK * fastest.sim_time, dcp_module.GOOD_ENOUGH * bound)),
+                 key=moved)
+    assert moved(fewest) < 0.85 * moved(fastest)
+
     def planned():
         return dcp_module.dcp(tiles, 6, cost_model=cm, max_stages=4, **sizes)
 
-    assert np.array_equal(planned().tile_rank, contiguous.tile_rank)
+    assert np.array_equal(planned().tile_rank, fewest.tile_rank)
     monkeypatch.setattr(dcp_module, "BYTES_SLACK", 1.0)
-    assert np.array_equal(planned().tile_rank, fcp.tile_rank)
+    assert np.array_equal(planned().tile_rank, fastest.tile_rank)
     make_plan(spec, 6, block_size=128, **HEADS)  # (check_plan on the kept plan)
 
 
