@@ -411,7 +411,6 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch):
     fastest plan, here a second-opinion one, consistent."""
     from blockattn.planner import check_plan, clear_plan_cache
     from blockattn.planner import dcp as dcp_module
-    from blockattn.planner.relay import add_transit
     from blockattn.planner.tiles import TileSet
 
     spec = MaskSpec.documents([12000, 2552, 2127, 2171, 1288, 2650, 578, 1210])
@@ -434,8 +433,7 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch):
                                 every_finalist=True)
     times = [p.sim_time for p in finalists]
     assert times == sorted(times) and times[-1] <= dcp_module.RECHECK * times[0]
-    second = min((add_transit(tiles, dcp_module._scored(tiles, p, 6, cm, sizes), world_size=6, cost_model=cm,
-                              sizes=sizes) for p in finalists), key=lambda p: p.sim_time)
+    second = min((dcp_module._with_transit(tiles, p, 6, cm, sizes) for p in finalists), key=lambda p: p.sim_time)
 
     def time(p):
         st = p.stats()
