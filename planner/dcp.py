@@ -45,21 +45,22 @@ lower bound - except on one node where most of the compute lies in segments long
 memory: there every candidate is planned, and of those within 5% of the bound and 2% of the fastest
 the one moving the fewest bytes is kept ("contiguous" on long documents: rows move to the ranks
 holding their KV). With more than two candidates they are first ranked on 2x-merged blocks and only
-the best two are planned at full resolution. On several nodes the three fastest candidates get
-relays and join a relay-aware "hierarchical" plan (``RELAY_AWARE_INITS``) and a relay-aware
-"hierarchical-spread" one (``RELAY_AWARE_EXTRA``: each node's blocks that other nodes read dealt
-over its ranks) as finalists; the two fastest finalists are refined (relay-aware rebalancing of
-their data placement, restaging with front-loaded transfers, with all ranks' items staged against
-receivers' and senders' compute alike, and with each rank's own best budget scale, each kept only
-where faster); the refined finalists within ``RECHECK`` of the fastest go to full resolution and get
-their transit relays, and the fastest is kept. The plain zigzag baseline ("zigzag-ring") is a
-candidate too, and the final plan is checked against both baselines at full resolution (skipped for
-a baseline ``BASELINE_MARGIN`` slower on the merged blocks), so dcp is never slower than them in the
-cost model. A multi-node plan still ``SECOND_OPINION`` times the bound gets a second opinion:
-balanced again with its homes' inter-node sends priced as spread over their node's NICs (from
-"hierarchical", from "hierarchical" with each node's blocks that other nodes read dealt over its
-ranks, and from its own homes), refined alike; its finalists within ``RECHECK`` of the fastest go to
-full resolution and get their transit relays before they are compared, and the fastest plan is kept.
+the best two are planned at full resolution. On several nodes the five fastest candidates
+(``RELAY_TOP``) get relays and join a relay-aware "hierarchical" plan (``RELAY_AWARE_INITS``) and a
+relay-aware "hierarchical-spread" one (``RELAY_AWARE_EXTRA``: each node's blocks that other nodes
+read dealt over its ranks) as finalists; the two fastest finalists are refined (relay-aware
+rebalancing of their data placement, restaging with front-loaded transfers, with all ranks' items
+staged against receivers' and senders' compute alike, and with each rank's own best budget scale,
+each kept only where faster); the refined finalists within ``RECHECK`` of the fastest go to full
+resolution and get their transit relays, and the fastest is kept. The plain zigzag baseline
+("zigzag-ring") is a candidate too, and the final plan is checked against both baselines at full
+resolution (skipped for a baseline ``BASELINE_MARGIN`` slower on the merged blocks), so dcp is never
+slower than them in the cost model. A multi-node plan still ``SECOND_OPINION`` times the bound gets
+a second opinion: balanced again with its homes' inter-node sends priced as spread over their node's
+NICs (from "hierarchical", from "hierarchical" with each node's blocks that other nodes read dealt
+over its ranks, and from the homes of the kept plan and of every first-pass finalist), refined
+alike; its finalists within ``RECHECK`` of the fastest go to full resolution and get their transit
+relays before they are compared, and the fastest plan is kept.
 Batches with many tiles are planned on merged blocks (``coarsen``) and mapped back, which keeps
 planning time near-linear in the batch.
 """
@@ -106,8 +107,11 @@ SELECT_KEEP = 2
 REFINE_TOP = 2  # finalists refined (relay-aware rebalancing, restaging) before the fastest is kept
 # Relays are weighed for this many of the fastest candidates (their scoring is costly): a candidate's
 # time before relays ranks it poorly for after (fcp 3rd before, fastest after on a 16/8 batch), and 2
-# lost such cases once "fcp-docs" joined the candidates.
-RELAY_TOP = 3
+# lost such cases once "fcp-docs" joined the candidates. 5 (with the finalists compared after their
+# transit relays and the second opinion seeded with every first-pass finalist's homes): a 16-rank
+# shared-question batch 1.270 -> 1.201 ("hierarchical-fcp", 5th before relays), nothing else changed
+# over the 57 multi-node cases (fp32 and bf16 partials) or seven 1M batches.
+RELAY_TOP = 5
 MIN_COARSE_BLOCKS_PER_RANK = 32
 # Several nodes: the refined finalists are also staged with the budget rule of planner/stages.py
 # doubled (transfers front-loaded) and the faster staging is kept. Neither wins everywhere (doubled for every
@@ -302,11 +306,12 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         # several nodes: the finalists within RECHECK of the fastest each get their transit relays before
         # they are compared, as in the second opinion below (transit gains unequally: fwd+bwd over the
         # bound 1.237 -> 1.155 on one 32-rank batch with fp32 partials)
-        result = min((_with_transit(tiles, alt, world_size, cost_model, sizes)
-                      for alt in _dcp(tiles, world_size, cost_model, max_stages, sizes, None, every_finalist=True)),
-                     key=lambda placement: placement.sim_time)
+        firsts = [_with_transit(tiles, alt, world_size, cost_model, sizes)
+                  for alt in _dcp(tiles, world_size, cost_model, max_stages, sizes, None, every_finalist=True)]
+        result = min(firsts, key=lambda placement: placement.sim_time)
     else:
         result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
+        firsts = [result]
     if init is not None or world_size == 1 or (one_node and coarsening_factor(tiles, world_size) > 1):
         return result  # (a large batch on one node: NVLink-bound, the balanced candidates win)
     # Checked at full resolution against the zigzag baselines (ring stages, or all KV in one stage),
@@ -332,9 +337,13 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         if base_time < result.sim_time:
             result = _with_transit(tiles, base, world_size, cost_model, sizes) if transit else base
     if not one_node and result.sim_time > SECOND_OPINION * _lower_bound(tiles, world_size, cost_model, sizes):
-        # every refined finalist gets its transit relays before they are compared: they gain less on
-        # homes that already spread a node's sends ("hierarchical-spread")
-        for alt in _dcp(tiles, world_size, cost_model, max_stages, sizes, None, second_opinion=result.block_home,
+        # seeded with the homes of the kept plan and of every first-pass finalist: a slower first plan's
+        # homes may balance better with spread sends (32 ranks, a long-tail shared-question batch: 1.459x
+        # the bound from the kept plan's homes, 1.415x from the runner-up's); every refined finalist gets
+        # its transit relays before they are compared: they gain less on homes that already spread a
+        # node's sends ("hierarchical-spread")
+        seeds = [result.block_home] + [first.block_home for first in firsts]
+        for alt in _dcp(tiles, world_size, cost_model, max_stages, sizes, None, second_opinion=seeds,
                         every_finalist=True):
             alt = _with_transit(tiles, alt, world_size, cost_model, sizes)
             if alt.sim_time < result.sim_time:
@@ -356,23 +365,24 @@ def _with_transit(tiles: TileSet, placement: Placement, world_size: int, cost_mo
 
 
 def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
-         init: str | None, relays: bool = True, second_opinion: np.ndarray | None = None,
+         init: str | None, relays: bool = True, second_opinion: list | None = None,
          every_finalist: bool = False) -> Placement | list:
     """dcp's placement before the baseline check and the transit relays. ``relays=False``: without
     node-level relays and the refinements that redo them (the balanced candidates alone).
-    ``second_opinion`` (several nodes; a first plan's block homes, or none: empty): the second opinion,
-    i.e. the ``SECOND_OPINION_INITS`` placements and these homes balanced with the homes' inter-node sends
-    priced on their node's NICs, refined alike, and no other candidate. ``every_finalist``: the
+    ``second_opinion`` (several nodes; a list of first plans' block homes, possibly empty): the second
+    opinion, i.e. the ``SECOND_OPINION_INITS`` placements and these homes (each distinct one once)
+    balanced with the homes' inter-node sends priced on their node's NICs, refined alike, and no other
+    candidate. ``every_finalist``: the
     (refined) finalists within RECHECK of the fastest, fastest first, instead of the fastest alone."""
     factor = coarsening_factor(tiles, world_size)
     if factor > 1:
         coarse, of_fine = coarsen(tiles, factor)
-        if second_opinion is not None and second_opinion.size:
-            # the first plan's homes as merged blocks' homes, where they are whole merged blocks (a
-            # baseline's may not be: then "hierarchical" alone, so memory stays as balanced as planned)
-            merged = second_opinion[np.arange(coarse.num_blocks) * factor]
-            whole = np.array_equal(merged[np.arange(tiles.num_blocks) // factor], second_opinion)
-            second_opinion = merged if whole else merged[:0]
+        if second_opinion is not None:
+            # the first plans' homes as merged blocks' homes, where they are whole merged blocks (a
+            # baseline's may not be: then left out, so memory stays as balanced as planned)
+            merged = [home[np.arange(coarse.num_blocks) * factor] for home in second_opinion]
+            second_opinion = [coarse_home for coarse_home, home in zip(merged, second_opinion)
+                              if np.array_equal(coarse_home[np.arange(tiles.num_blocks) // factor], home)]
         plans = _dcp(coarse, world_size, cost_model, max_stages, sizes, init, relays, second_opinion, every_finalist)
         fines = []
         for plan in plans if every_finalist else [plans]:
@@ -416,8 +426,9 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     finalists = [(placement, False) for _, _, placement in sorted(planned, key=lambda item: item[:2])[:RELAY_TOP]]
     if second_opinion is not None:
         homes = [_initial_home(tiles, world_size, name, cost_model, sizes) for name in SECOND_OPINION_INITS]
-        if second_opinion.size and not any(np.array_equal(home, second_opinion) for home in homes):
-            homes.append(second_opinion)  # (the first plan's homes are often hierarchical's own)
+        for seed in second_opinion:
+            if not any(np.array_equal(home, seed) for home in homes):
+                homes.append(seed)  # (the first plan's homes are often hierarchical's own)
         finalists = [(_place(tiles, world_size, None, cost_model, max_stages, sizes, home=home, relays=relays,
                              relay_aware=True, spread_sends=True)[0], True) for home in homes]
     elif multi_node and min(t for t, _, _ in planned) > good_enough:

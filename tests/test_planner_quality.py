@@ -429,7 +429,7 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch):
     cm = CostModel(topology=topo)
     sizes = dict(element_size=2, grad_element_size=4, **HEADS)
     bound = dcp_module._lower_bound(tiles, 6, cm, sizes)
-    finalists = dcp_module._dcp(tiles, 6, cm, 4, sizes, None, second_opinion=first.block_home.numpy(),
+    finalists = dcp_module._dcp(tiles, 6, cm, 4, sizes, None, second_opinion=[first.block_home.numpy()],
                                 every_finalist=True)
     times = [p.sim_time for p in finalists]
     assert times == sorted(times) and times[-1] <= dcp_module.RECHECK * times[0]
@@ -457,14 +457,55 @@ def test_second_opinion_seeds_merged_blocks_only_with_whole_homes():
     cm = CostModel(topology=Topology(ranks_per_node=2))
     sizes = dict(element_size=2, grad_element_size=4, **HEADS)
 
-    def second(home):
-        return dcp_module._dcp(tiles, 4, cm, 4, sizes, None, second_opinion=home)
+    def second(homes):
+        return dcp_module._dcp(tiles, 4, cm, 4, sizes, None, second_opinion=homes)
 
     dealt = np.arange(tiles.num_blocks) % 4  # merged by 2 (their first blocks): ranks 0 and 2 only
-    seeded, alone = second(dealt), second(dealt[:0])
+    seeded, alone = second([dealt]), second([])
     assert np.array_equal(seeded.block_home, alone.block_home) and np.array_equal(seeded.tile_rank, alone.tile_rank)
     counts = np.bincount(seeded.block_home, minlength=4)
     assert counts.max() - counts.min() <= dcp_module.coarsening_factor(tiles, 4)
+
+
+def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch):
+    """The second opinion starts from the homes of the kept plan and of every first-pass finalist (a
+    slower first plan's homes may balance better with spread sends), each distinct start planned once."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.documents([6000, 5000, 800]).block_mask(128))
+    cm = CostModel(topology=Topology(ranks_per_node=2))
+    sizes = dict(element_size=2, grad_element_size=4, **HEADS)
+    firsts = [dcp_module._with_transit(tiles, p, 6, cm, sizes)
+              for p in dcp_module._dcp(tiles, 6, cm, 4, sizes, None, every_finalist=True)]
+    assert len({p.block_home.tobytes() for p in firsts}) == 2  # (two first-pass finalists, 1.71 and 1.64x)
+    seeds, starts = [], []
+    original_dcp, original_place = dcp_module._dcp, dcp_module._place
+
+    def recording_dcp(*args, second_opinion=None, **kwargs):
+        if second_opinion is not None:
+            seeds.append([np.asarray(home).copy() for home in second_opinion])
+        return original_dcp(*args, second_opinion=second_opinion, **kwargs)
+
+    def recording_place(tiles_, world_size, init, *args, home=None, spread_sends=False, **kwargs):
+        if spread_sends:
+            starts.append(np.asarray(home).copy())
+        return original_place(tiles_, world_size, init, *args, home=home, spread_sends=spread_sends, **kwargs)
+
+    monkeypatch.setattr(dcp_module, "_dcp", recording_dcp)
+    monkeypatch.setattr(dcp_module, "_place", recording_place)
+    dcp_module.dcp(tiles, 6, cost_model=cm, max_stages=4, **sizes)
+    assert len(seeds) == 1  # (the first plan is over SECOND_OPINION x the bound)
+    for first in firsts:
+        assert any(np.array_equal(first.block_home, seed) for seed in seeds[0])
+    # every distinct start once: the SECOND_OPINION_INITS homes and the seeds not among them
+    distinct = []
+    for home in [dcp_module._initial_home(tiles, 6, name, cm, sizes) for name in dcp_module.SECOND_OPINION_INITS] \
+            + seeds[0]:
+        if not any(np.array_equal(home, seen) for seen in distinct):
+            distinct.append(home)
+    assert len(starts) == len(distinct)
+    assert all(any(np.array_equal(start, home) for home in distinct) for start in starts)
 
 
 def test_one_large_node_is_restaged_where_faster(monkeypatch):
