@@ -552,3 +552,34 @@ def test_one_finisher_finishes_every_relay_table_as_a_fresh_one_would():
             for a, b in ((got.tile_stage, want.tile_stage), (got.tile_stage_bwd, want.tile_stage_bwd),
                          (got.schedule.fwd, want.schedule.fwd), (got.schedule.bwd, want.schedule.bwd)):
                 assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_transit_relays_in_passes_until_one_gains_nothing():
+    """9 ranks, 3 per node: a first pass of transit relays gains next to nothing, a second one ~9% (the
+    first pass's relays free NIC time the second pass's use). dcp's ``_with_transit`` takes passes until
+    one gains nothing, and the plan with the relays of both passes is consistent (check_plan, replay)."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.relay import add_transit
+
+    spec = MaskSpec.documents([6817, 8666, 1101, 6605, 2850, 5008])
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    cost_model = CostModel(Topology(ranks_per_node=3))
+    sizes = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, element_size=2, grad_element_size=4)
+    first = dcp_module._scored(tiles, dcp_module._dcp(tiles, 9, cost_model, 4, sizes, None), 9, cost_model, sizes)
+    one = add_transit(tiles, first, world_size=9, cost_model=cost_model, sizes=sizes)
+    two = add_transit(tiles, one, world_size=9, cost_model=cost_model, sizes=sizes)
+    assert one.sim_time < first.sim_time and two.sim_time < 0.95 * one.sim_time
+    passes = dcp_module._with_transit(tiles, first, 9, cost_model, sizes)
+    assert passes.sim_time <= two.sim_time
+    assert _relay_rows(passes.kv_relay) > _relay_rows(one.kv_relay)
+    plan = build_plan(tiles, passes, strategy="dcp", world_size=9, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                      dtype=torch.bfloat16, mask_signature=spec.signature(), cost_model=cost_model)
+    check_plan(plan)
+    replay(plan)
+    stats = plan.stats()
+    assert stats["sim_time_fwd"] + stats["sim_time_bwd"] == pytest.approx(passes.sim_time, rel=1e-9)
+
+
+def _relay_rows(relay) -> int:
+    """Rows of a relay table (None: none)."""
+    return 0 if relay is None else int(np.asarray(relay).shape[0])
