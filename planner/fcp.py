@@ -161,14 +161,15 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
         r = idle[0][1]  # least loaded (ties: lowest rank)
         # Prefer ranks already holding this segment (their KV is local), then its node, when nearly
         # as idle as the least loaded rank: fewer, nearer KV transfers for the same balance.
-        for affinity, near in ((SEGMENT_AFFINITY, seg_ranks.get(seg, ())),
-                               (NODE_AFFINITY, members.get(seg_node.get(seg, -1), ()))):
-            open_near = [x for x in near if room[x] > 0]
-            if open_near:
-                r_near = min(open_near, key=ratio.__getitem__)
-                if ratio[r_near] <= ratio[r] + affinity * mean:
-                    r = r_near
-                    break
+        held = seg_ranks.get(seg)
+        if held is not None:  # (a segment's first piece has no ranks or node to prefer yet)
+            for affinity, near in ((SEGMENT_AFFINITY, held), (NODE_AFFINITY, members[seg_node[seg]])):
+                open_near = [x for x in near if room[x] > 0]
+                if open_near:
+                    r_near = min(open_near, key=ratio.__getitem__)
+                    if ratio[r_near] <= ratio[r] + affinity * mean:
+                        r = r_near
+                        break
         if e2 > s2 and (e - s) + (e2 - s2) > room[r]:
             # a pair that does not fit: place its two chunks independently
             for a, b in ((s, e), (s2, e2)):
