@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .placement import first_occurrence
+from .placement import first_occurrence, run_heads
 from .schedule import KIND_KV, KIND_OUT, KIND_Q, payload_bytes
 from .tiles import TileSet
 
@@ -110,7 +110,7 @@ class Balancer:
             dst, kv = np.nonzero(grid)
         else:
             key = np.sort(dst * self.nB + kv)
-            key = key[np.r_[True, key[1:] != key[:-1]]] if key.size else key
+            key = key[run_heads(key)]
             dst, kv = key // self.nB, key % self.nB
         self.have_kv[dst, kv] = True
         src, link = self.home[kv], self._link(self.home[kv], dst)

@@ -71,7 +71,7 @@ import numpy as np
 
 from .balance import Balancer, pushed_rows
 from .cost_model import CostModel
-from .placement import Placement, balanced_bounds, runs_to_home
+from .placement import Placement, balanced_bounds, prefix_sums, runs_to_home
 from .relay import add_relays, add_transit
 from .schedule import KIND_KV, payload_bytes, row_bytes
 from .stages import assign_stages, finish_placement
@@ -467,7 +467,7 @@ def _mostly_split_segments(tiles: TileSet, world_size: int) -> bool:
 
     bounds = segments(tiles, documents=True)
     work = np.bincount(tiles.q, weights=tiles.pairs, minlength=tiles.num_blocks)
-    prefix = np.r_[0.0, np.cumsum(work)]
+    prefix = prefix_sums(work)
     long = np.diff(bounds) > -(-tiles.num_blocks // world_size)
     return float((prefix[bounds[1:]] - prefix[bounds[:-1]])[long].sum()) > 0.5 * prefix[-1]
 

@@ -37,7 +37,7 @@ import math
 import numpy as np
 
 from .cost_model import CostModel
-from .placement import Placement, compact_stages
+from .placement import Placement, compact_stages, prefix_sums
 from .stages import assign_stages
 from .tiles import TileSet
 
@@ -61,7 +61,7 @@ def segments(tiles: TileSet, documents: bool = False) -> np.ndarray:
         shared = (tiles.kv < tiles.q) & ~tiles.full
         crossing = crossing - np.bincount(tiles.kv[shared] + 1, minlength=tiles.num_blocks + 1)[: tiles.num_blocks + 1]
     cuts = np.flatnonzero(crossing[1:-1] <= SEGMENT_CUT) + 1
-    return np.r_[0, cuts, tiles.num_blocks].astype(np.int64)
+    return np.concatenate(([0], cuts, [tiles.num_blocks])).astype(np.int64)
 
 
 def kv_read_across(tiles: TileSet, kv_bytes: np.ndarray) -> np.ndarray:
@@ -96,7 +96,7 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
         return np.zeros(nB, dtype=np.int64)
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
     block_flops = np.bincount(tiles.q, weights=flops, minlength=nB)
-    prefix = np.r_[0.0, np.cumsum(block_flops)]
+    prefix = prefix_sums(block_flops)
     per_rank = -(-nB // int(weight.sum()))
     cap = (per_rank * weight).astype(np.int64)
     piece = max(1, per_rank // PIECES_PER_RANK)

@@ -56,3 +56,21 @@ def first_occurrence(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     pos = np.arange(k)
     scratch[values[::-1]] = pos[::-1]
     return scratch[values] == pos
+
+
+def run_heads(key: np.ndarray) -> np.ndarray:
+    """bool [n]: True where a run of equal keys starts (position 0, and wherever a key differs from
+    the one before). ``np.r_[True, key[1:] != key[:-1]]`` without np.r_'s per-call overhead."""
+    heads = np.empty(key.size, dtype=bool)
+    if key.size:
+        heads[0] = True
+        np.not_equal(key[1:], key[:-1], out=heads[1:])
+    return heads
+
+
+def prefix_sums(values: np.ndarray) -> np.ndarray:
+    """float64 [n + 1]: 0, then the running sums of ``values`` (``np.r_[0.0, np.cumsum(values)]``)."""
+    out = np.empty(values.size + 1, dtype=np.float64)
+    out[0] = 0.0
+    out[1:] = np.cumsum(values)
+    return out

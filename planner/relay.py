@@ -48,7 +48,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .cost_model import CostModel
-from .placement import Placement, compact_stages
+from .placement import Placement, compact_stages, run_heads
 from .stages import (Finisher, backward_stages, backward_time, choose_backward_staging,
                      local_tiles_by_rank, local_work, spread_backward_local)
 from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, input_groups,
@@ -308,7 +308,7 @@ def relay_candidates(home: np.ndarray, kv_groups, *, ranks_per_node: int, rotate
     key = b * (int(node.max()) + 1) + node  # one key per (block, node)
     idx = idx[np.lexsort((r[idx], first[idx], key[idx]))]  # per (block, node): earliest need, then lowest rank
     group = key[idx]
-    head = np.r_[True, group[1:] != group[:-1]]
+    head = run_heads(group)
     start = np.flatnonzero(head)
     of_group = np.cumsum(head) - 1
     # rotating: a node's copies of consecutive blocks arrive through different NICs, not all through one

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .placement import run_heads
+
 KIND_Q, KIND_KV, KIND_OUT, KIND_DO, KIND_DQ, KIND_DKV = range(6)
 KIND_NAMES = ("Q", "KV", "OUT", "DO", "DQ", "DKV")
 FWD_KINDS = (KIND_Q, KIND_KV, KIND_OUT)
@@ -291,7 +293,7 @@ def _transit_rows(home, r, b, first, relay, num_blocks: int) -> np.ndarray:
     rows, need, key = relay[transit], first[dst_pos[transit]], src_key[transit]
     order = np.lexsort((need, key))  # per (src, block): the earliest need first
     key, need, rows = key[order], need[order], rows[order]
-    head = np.r_[True, key[1:] != key[:-1]]
+    head = run_heads(key)
     rows, need = rows[head], need[head]
     return _rows(need - 1, home[rows[:, 0]], rows[:, 2], KIND_KV, rows[:, 0])
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .cost_model import CostModel
-from .placement import Placement, compact_stages, first_occurrence
+from .placement import Placement, compact_stages, first_occurrence, prefix_sums, run_heads
 from .schedule import KIND_KV, KIND_Q, input_groups, payload_bytes, row_bytes, schedule_from_groups
 
 
@@ -47,9 +47,9 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
     compute_time = flops / cost_model.fwd_rate
 
     # Items: (rank, kind, block) keys, one per distinct remote input.
-    tile_idx = np.r_[np.flatnonzero(remote_q), np.flatnonzero(remote_kv)]
-    kind = np.r_[np.full(int(remote_q.sum()), KIND_Q), np.full(int(remote_kv.sum()), KIND_KV)]
-    block = np.r_[q[remote_q], kv[remote_kv]]
+    tile_idx = np.concatenate((np.flatnonzero(remote_q), np.flatnonzero(remote_kv)))
+    kind = np.concatenate((np.full(int(remote_q.sum()), KIND_Q), np.full(int(remote_kv.sum()), KIND_KV)))
+    block = np.concatenate((q[remote_q], kv[remote_kv]))
     item_key = (rank[tile_idx] * 2 + (kind == KIND_KV)) * nB + block
     keys, item_of = _dense_unique(item_key)
     item_rank = keys // (2 * nB)
@@ -74,12 +74,12 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
 
     ranks_sorted = item_rank[order]
     starts = np.searchsorted(ranks_sorted, np.arange(world_size + 1))
-    cum_time = np.r_[0.0, np.cumsum(item_time[order])]
+    cum_time = prefix_sums(item_time[order])
     local_compute = np.bincount(rank[~remote], weights=compute_time[~remote], minlength=world_size)
     remote_tiles = np.flatnonzero(remote)
     by_done = remote_tiles[np.argsort(done_at[remote_tiles], kind="stable")]
     done_sorted = done_at[by_done]
-    cum_done = np.r_[0.0, np.cumsum(compute_time[by_done])]
+    cum_done = prefix_sums(compute_time[by_done])
 
     if both_ends:
         if np.ndim(budget_scale):
@@ -160,13 +160,13 @@ def _grouped_cumsum(key: np.ndarray, value: np.ndarray) -> np.ndarray:
         # already grouped (the spreads list local tiles rank by rank): the same sums without the
         # sort and the scatter back (a stable sort of sorted keys is the identity)
         cum = np.cumsum(value)
-        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-        group_start = np.repeat(starts, np.diff(np.r_[starts, key.size]))
+        starts = np.flatnonzero(run_heads(key))
+        group_start = np.repeat(starts, np.diff(np.append(starts, key.size)))
         return cum - (cum - value)[group_start]
     by = np.argsort(key, kind="stable")
     cum = np.cumsum(value[by])
     k = key[by]
-    start = np.r_[True, k[1:] != k[:-1]] if k.size else np.zeros(0, dtype=bool)
+    start = run_heads(k)
     group_start = np.maximum.accumulate(np.where(start, np.arange(k.size), 0))
     out = np.empty_like(cum)
     out[by] = cum - (cum - value[by])[group_start]
