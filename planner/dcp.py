@@ -311,7 +311,6 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         result = min(firsts, key=lambda placement: placement.sim_time)
     else:
         result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
-        firsts = [result]
     if init is not None or world_size == 1 or (one_node and coarsening_factor(tiles, world_size) > 1):
         return result  # (a large batch on one node: NVLink-bound, the balanced candidates win)
     # Checked at full resolution against the zigzag baselines (ring stages, or all KV in one stage),
@@ -372,8 +371,8 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     ``second_opinion`` (several nodes; a list of first plans' block homes, possibly empty): the second
     opinion, i.e. the ``SECOND_OPINION_INITS`` placements and these homes (each distinct one once)
     balanced with the homes' inter-node sends priced on their node's NICs, refined alike, and no other
-    candidate. ``every_finalist``: the
-    (refined) finalists within RECHECK of the fastest, fastest first, instead of the fastest alone."""
+    candidate. ``every_finalist``: the (refined) finalists within RECHECK of the fastest, fastest first,
+    instead of the fastest alone."""
     factor = coarsening_factor(tiles, world_size)
     if factor > 1:
         coarse, of_fine = coarsen(tiles, factor)

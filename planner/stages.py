@@ -156,20 +156,18 @@ def _stage_items_both_ends(order, receiver, sender, inter, item_time, item_of, t
 
 def _grouped_cumsum(key: np.ndarray, value: np.ndarray) -> np.ndarray:
     """Per position, the sum of ``value`` over the positions up to it with the same key."""
-    if key.size > 1 and bool((key[1:] >= key[:-1]).all()):
-        # already grouped (the spreads list local tiles rank by rank): the same sums without the
-        # sort and the scatter back (a stable sort of sorted keys is the identity)
-        cum = np.cumsum(value)
-        starts = np.flatnonzero(run_heads(key))
-        group_start = np.repeat(starts, np.diff(np.append(starts, key.size)))
-        return cum - (cum - value)[group_start]
-    by = np.argsort(key, kind="stable")
-    cum = np.cumsum(value[by])
-    k = key[by]
-    start = run_heads(k)
-    group_start = np.maximum.accumulate(np.where(start, np.arange(k.size), 0))
-    out = np.empty_like(cum)
-    out[by] = cum - (cum - value[by])[group_start]
+    # already grouped (the spreads list local tiles rank by rank): no sort and no scatter back (a
+    # stable sort of sorted keys is the identity, so the sums are the same)
+    grouped = key.size < 2 or bool((key[1:] >= key[:-1]).all())
+    by = None if grouped else np.argsort(key, kind="stable")
+    k, v = (key, value) if grouped else (key[by], value[by])
+    cum = np.cumsum(v)
+    group_start = np.maximum.accumulate(np.where(run_heads(k), np.arange(k.size), 0))
+    sums = cum - (cum - v)[group_start]
+    if grouped:
+        return sums
+    out = np.empty_like(sums)
+    out[by] = sums
     return out
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .placement import run_heads
+
 # BlockMask -> TileSet, so planning the same mask for several world sizes / strategies converts once.
 _from_block_mask_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _coarsen_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # TileSet -> {factor: coarsen()}
@@ -100,7 +102,7 @@ def _coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
     qc, kc = tiles.q // factor, tiles.kv // factor
     # Dense presence table over each coarse row's kv span only (tiles are sorted by q, so a coarse
     # row is one contiguous run): sized like the band of the mask, not nbc**2.
-    starts = np.flatnonzero(np.r_[True, qc[1:] != qc[:-1]]) if qc.size else np.zeros(0, dtype=np.int64)
+    starts = np.flatnonzero(run_heads(qc))
     lo = np.zeros(nbc, dtype=np.int64)
     width = np.zeros(nbc, dtype=np.int64)
     if qc.size:

@@ -707,14 +707,15 @@ def test_one_node_keeps_the_candidate_moving_the_fewest_bytes_among_near_equals(
         return sum(int(row_bytes(p.schedule.table(d).numpy().astype(np.int64), tiles.block_lengths(), **sizes).sum())
                    for d in ("fwd", "bwd"))
 
-    fcp, contiguous = (dcp_module._place(tiles, 6, init, cm, 4, sizes, relays=False)[0] for init in ("fcp", "contiguous"))
+    planned = {init: dcp_module._place(tiles, 6, init, cm, 4, sizes, relays=False)[0]
+               for init in dcp_module.SINGLE_NODE_INITS}
+    fcp, contiguous = planned["fcp"], planned["contiguous"]
     bound = dcp_module._lower_bound(tiles, 6, cm, sizes)
     assert fcp.sim_time < contiguous.sim_time <= min(dcp_module.BYTES_SLACK * fcp.sim_time,
                                                      dcp_module.GOOD_ENOUGH * bound)
     assert moved(contiguous) < 0.85 * moved(fcp)
 
-    candidates = [dcp_module._place(tiles, 6, init, cm, 4, sizes, relays=False)[0]
-                  for init in dcp_module.SINGLE_NODE_INITS]
+    candidates = list(planned.values())  # (in SINGLE_NODE_INITS order: first of equals kept)
     fastest = min(candidates, key=lambda p: p.sim_time)
     fewest = min((p for p in candidates
                   if p.sim_time <= min(dcp_module.BYTES_SLACK * fastest.sim_time, dcp_module.GOOD_ENOUGH * bound)),
