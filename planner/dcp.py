@@ -16,15 +16,16 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
      "hierarchical" packs documents cut at the blocks they start in (``segments(documents=True)``);
    * "fcp" (planner/fcp.py), "fcp-docs" (the same with documents cut at the blocks they start in)
      or "zigzag" (planner/baselines.py) placements;
-   * "dealt" (batches with hot rows, e.g. causal_blockwise's last block reading the whole
-     sequence): the hot rows dealt round-robin over the ranks and nodes, the rest contiguous.
+   * "dealt" / "dealt-nodes" (batches with hot rows, e.g. causal_blockwise's last block reading
+     the whole sequence): the hot rows dealt round-robin over the ranks and nodes, the rest contiguous.
 2. Tile placement (compute, planner/balance.py): every tile starts on its q-block's home (reads
-   remote KV only, no OUT partial) - for "dealt", a hot row's piece starts on its kv-home where
-   that moves fewer bytes (``pushed_rows``). Overloaded ranks then shed q-rows to the kv-homes (only Q and
-   one OUT partial move per row, receive-once) and rectangles to the least loaded ranks, same node
-   first, each move taken only if the cost model says it shortens the slower of the two ranks. On
-   several nodes a second, relay-aware balancer prices KV as the relays will move it (once into a
-   node, then over NVLink).
+   remote KV only, no OUT partial) - for "dealt", a row's piece starts on its kv-home where that
+   moves fewer bytes (``pushed_rows``); for "dealt-nodes" (several nodes), a row's piece on another
+   node starts on one rank of that node, so its Q block crosses into the node once. Overloaded
+   ranks then shed q-rows to the kv-homes (only Q and one OUT partial move per row, receive-once)
+   and rectangles to the least loaded ranks, same node first, each move taken only if the cost
+   model says it shortens the slower of the two ranks. On several nodes a second, relay-aware
+   balancer prices KV as the relays will move it (once into a node, then over NVLink).
 3. Stages (planner/stages.py): stage 0 = tiles whose inputs are home; remote inputs ordered by the
    compute they unlock per transfer second and cut into <= ``max_stages`` stages, each sized to hide
    behind the previous stage's compute; purely local tiles are then spread into later stages where
@@ -39,28 +40,28 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
 No initial placement dominates (measured over the benchmark batches: on one node "fcp-docs", "fcp"
 and "contiguous" reach about the same time, the FCP packings with 40-60% fewer bytes on Wikipedia
 batches, "contiguous" with fewer on long documents; on several nodes each of the five candidates
-wins somewhere, and batches with hot rows add "dealt"), so dcp plans them in turn and keeps the one
-with the lowest simulated forward + backward time, stopping early once a plan is within 5% of the
-lower bound - except on one node where most of the compute lies in segments longer than a rank's
-memory: there every candidate is planned, and of those within 5% of the bound and 2% of the fastest
-the one moving the fewest bytes is kept ("contiguous" on long documents: rows move to the ranks
-holding their KV). With more than two candidates they are first ranked on 2x-merged blocks and only
-the best two are planned at full resolution. On several nodes the five fastest candidates
-(``RELAY_TOP``) get relays and join a relay-aware "hierarchical" plan (``RELAY_AWARE_INITS``) and a
-relay-aware "hierarchical-spread" one (``RELAY_AWARE_EXTRA``: each node's blocks that other nodes
-read dealt over its ranks) as finalists; the two fastest finalists are refined (relay-aware
-rebalancing of their data placement, restaging with front-loaded transfers, with all ranks' items
-staged against receivers' and senders' compute alike, and with each rank's own best budget scale,
-each kept only where faster); the refined finalists within ``RECHECK`` of the fastest go to full
-resolution and get their transit relays, and the fastest is kept. The plain zigzag baseline
-("zigzag-ring") is a candidate too, and the final plan is checked against both baselines at full
-resolution (skipped for a baseline ``BASELINE_MARGIN`` slower on the merged blocks), so dcp is never
-slower than them in the cost model. A multi-node plan still ``SECOND_OPINION`` times the bound gets
-a second opinion: balanced again with its homes' inter-node sends priced as spread over their node's
-NICs (from "hierarchical", from "hierarchical" with each node's blocks that other nodes read dealt
-over its ranks, and from the homes of the kept plan and of every first-pass finalist), refined
-alike; its finalists within ``RECHECK`` of the fastest go to full resolution and get their transit
-relays before they are compared, and the fastest plan is kept.
+wins somewhere; batches with hot rows add "dealt", and on several nodes "dealt-nodes"), so dcp plans
+them in turn and keeps the one with the lowest simulated forward + backward time, stopping early
+once a plan is within 5% of the lower bound - except on one node where most of the compute lies in
+segments longer than a rank's memory: there every candidate is planned, and of those within 5% of
+the bound and 2% of the fastest the one moving the fewest bytes is kept ("contiguous" on long
+documents: rows move to the ranks holding their KV). With more than two candidates they are first
+ranked on 2x-merged blocks and only the best two are planned at full resolution. On several nodes
+the five fastest candidates (``RELAY_TOP``) get relays and join a relay-aware "hierarchical" plan
+(``RELAY_AWARE_INITS``) and a relay-aware "hierarchical-spread" one (``RELAY_AWARE_EXTRA``: each
+node's blocks that other nodes read dealt over its ranks) as finalists; the two fastest finalists
+are refined (relay-aware rebalancing of their data placement, restaging with front-loaded transfers,
+with all ranks' items staged against receivers' and senders' compute alike, and with each rank's own
+best budget scale, each kept only where faster); the refined finalists within ``RECHECK`` of the
+fastest go to full resolution and get their transit relays, and the fastest is kept. The plain
+zigzag baseline ("zigzag-ring") is a candidate too, and the final plan is checked against both
+baselines at full resolution (skipped for a baseline ``BASELINE_MARGIN`` slower on the merged
+blocks), so dcp is never slower than them in the cost model. A multi-node plan still
+``SECOND_OPINION`` times the bound gets a second opinion: balanced again with its homes' inter-node
+sends priced as spread over their node's NICs (from "hierarchical", from "hierarchical" with each
+node's blocks that other nodes read dealt over its ranks, and from the homes of the kept plan and of
+every first-pass finalist), refined alike; its finalists within ``RECHECK`` of the fastest go to
+full resolution and get their transit relays before they are compared, and the fastest plan is kept.
 Batches with many tiles are planned on merged blocks (``coarsen``) and mapped back, which keeps
 planning time near-linear in the batch.
 """
@@ -93,7 +94,8 @@ GOOD_ENOUGH = 1.05
 # One node, most of the compute in segments longer than a rank's memory (``_mostly_split_segments``):
 # every candidate is planned, and of those within GOOD_ENOUGH of the bound and within BYTES_SLACK of
 # the fastest the one moving the fewest bytes is kept. On the long-tail batches (8 ranks) "contiguous"
-# then wins with 20-55% fewer bytes at 1.020 instead of 1.006-1.015 x the bound.
+# then wins with 20-55% fewer bytes at 1.020 instead of 1.006-1.015 x the bound. On several nodes the
+# same rule picks among the first pass's finalists.
 BYTES_SLACK = 1.02
 BASELINE_MARGIN = 1.25  # a baseline this much slower on merged blocks is not re-planned at full resolution
 # Large batches are planned on merged blocks (2x2, 4x4, ... tiles) while that keeps >= 32 merged
@@ -165,7 +167,9 @@ RECHECK = 1.10
 TRANSIT_PASSES = 3
 # A q-row with more than HOT_ROW times the mean row's pairs, read from more than HOT_SPAN of the blocks, is
 # "hot" (causal_blockwise's last block reads the whole sequence): batches with hot rows also get the
-# "dealt" candidate (``dealt_home``). On the benchmark's document masks it never won, hence the span.
+# "dealt" candidate (``dealt_home``), and on several nodes "dealt-nodes" too (the same homes, rows pushed
+# per node: ``pushed_rows(ranks_per_node=...)``; each won some world sizes of causal_blockwise). On the
+# benchmark's document masks it never won, hence the span.
 HOT_ROW = 3.0
 HOT_SPAN = 0.25
 
@@ -295,8 +299,8 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         head_dim: int, element_size: int, max_stages: int, init: str | None = None, grad_element_size: int = 4,
         **_) -> Placement:
     """DCP placement (see module docstring). ``init`` forces one initial data placement
-    ("contiguous", "hierarchical", "hierarchical-fcp", "zigzag", "fcp", "fcp-docs", "dealt"); by default
-    the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in turn and the fastest (simulated
+    ("contiguous", "hierarchical", "hierarchical-fcp", "zigzag", "fcp", "fcp-docs", "dealt", "dealt-nodes"); by
+    default the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in turn and the fastest (simulated
     fwd + bwd time) is kept."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
@@ -308,7 +312,10 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         # bound 1.237 -> 1.155 on one 32-rank batch with fp32 partials)
         firsts = [_with_transit(tiles, alt, world_size, cost_model, sizes)
                   for alt in _dcp(tiles, world_size, cost_model, max_stages, sizes, None, every_finalist=True)]
-        result = min(firsts, key=lambda placement: placement.sim_time)
+        # as on one node: of those within GOOD_ENOUGH of the bound and BYTES_SLACK of the fastest, the
+        # fewest bytes (causal_blockwise, 16 ranks / 8 per node: hot rows pushed per kv-rank at 1.0419x
+        # the bound with 4.96 GB, per kv-node 1.0367x with 11.8 GB, mostly KV over NVLink)
+        result = _fewest_bytes(tiles, firsts, GOOD_ENOUGH * _lower_bound(tiles, world_size, cost_model, sizes), sizes)
     else:
         result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
     if init is not None or world_size == 1 or (one_node and coarsening_factor(tiles, world_size) > 1):
@@ -403,12 +410,12 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
         inits = list(SINGLE_NODE_INITS)
     else:
         inits = list(MULTI_NODE_INITS)
+    multi_node = world_size > cost_model.topology.ranks_per_node
     if init is None and second_opinion is None and hot_rows(tiles).size:
-        inits.append("dealt")
+        inits += ["dealt", "dealt-nodes"] if multi_node else ["dealt"]
     if len(inits) > len(SINGLE_NODE_INITS):
         inits = _preselect(tiles, world_size, inits, cost_model, max_stages, sizes)
     good_enough = GOOD_ENOUGH * _lower_bound(tiles, world_size, cost_model, sizes)
-    multi_node = world_size > cost_model.topology.ranks_per_node
     # one node, mostly long documents: every candidate, for the fewest bytes among the near-fastest
     plan_all = not multi_node and _mostly_split_segments(tiles, world_size)
     planned = []  # (time, order, placement) before relays
@@ -472,8 +479,8 @@ def _mostly_split_segments(tiles: TileSet, world_size: int) -> bool:
 
 
 def _fewest_bytes(tiles: TileSet, planned: list, good_enough: float, sizes: dict) -> Placement:
-    """The fastest of the one-node candidates ``planned`` (scored Placements), or among those within
-    BYTES_SLACK of it and within ``good_enough`` (seconds) the one that moves the fewest bytes."""
+    """The fastest of the candidates ``planned`` (scored Placements), or among those within BYTES_SLACK
+    of it and within ``good_enough`` (seconds) the one that moves the fewest bytes."""
     fastest = min(planned, key=lambda p: p.sim_time)  # first of equals in candidate order
     near = [p for p in planned if p.sim_time <= min(good_enough, BYTES_SLACK * fastest.sim_time)]
     if len(near) < 2:
@@ -569,7 +576,7 @@ def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostMo
         from .baselines import zigzag_home
 
         return zigzag_home(tiles.num_blocks, world_size)
-    if init == "dealt":
+    if init in ("dealt", "dealt-nodes"):
         return dealt_home(tiles, world_size, topology=cost_model.topology)
     if init in ("fcp", "fcp-docs"):
         from .fcp import fcp_home
@@ -577,7 +584,7 @@ def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostMo
         return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
                         documents=init == "fcp-docs")
     raise ValueError(f"unknown dcp init {init!r}; choose contiguous, hierarchical, hierarchical-fcp, "
-                     "hierarchical-spread, zigzag, fcp, fcp-docs or dealt")
+                     "hierarchical-spread, zigzag, fcp, fcp-docs, dealt or dealt-nodes")
 
 
 def _scored(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, sizes: dict) -> Placement:
@@ -610,9 +617,12 @@ def _place(tiles: TileSet, world_size: int, init: str | None, cost_model: CostMo
             home = _initial_home(tiles, world_size, init, cost_model, sizes)
         elif home is None:
             raise ValueError("_place needs an init name or a home")
-        # dealt hot rows start on their kv-homes where that moves fewer bytes (from every other start
-        # this was worse as often as better over the benchmark cases)
-        start = pushed_rows(tiles, home, **sizes) if init == "dealt" else None
+        # dealt hot rows start on their kv-homes (or kv-nodes) where that moves fewer bytes (from every
+        # other start this was worse as often as better over the benchmark cases)
+        start = None
+        if init in ("dealt", "dealt-nodes"):
+            by_node = cost_model.topology.ranks_per_node if init == "dealt-nodes" else None
+            start = pushed_rows(tiles, home, ranks_per_node=by_node, **sizes)
         rank = Balancer(tiles, home, flops / cost_model.fwd_rate, world_size, cost_model.topology,
                         relay_aware=relay_aware, spread_sends=spread_sends, start=start, **sizes).run()
         stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,

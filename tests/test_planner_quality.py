@@ -666,6 +666,27 @@ def test_document_segments_cut_after_a_shared_block():
     assert segments(aligned).tolist() == segments(aligned, documents=True).tolist()
 
 
+def test_shared_columns_do_not_join_segments():
+    """A 1024-token question read by every answer: its 8 blocks are shared columns (read from afar by
+    the answer rows but the first's), so the answers are segments of their own instead of one segment
+    with the question; causal_blockwise's first block is shared the same way. A long causal document's
+    first blocks, read by most rows of the batch but in one run from the diagonal, are not shared."""
+    from blockattn.planner.fcp import segments, shared_columns
+    from blockattn.planner.tiles import TileSet
+
+    answers = [1024, 2048, 512, 1536, 1024, 2048]
+    tiles = TileSet.from_block_mask(MaskSpec.shared_question(1024, answers).block_mask(128))
+    assert shared_columns(tiles).tolist() == list(range(8))
+    ends = np.cumsum([1024] + answers) // 128
+    # each question block alone (its rows read only shared blocks), then each answer
+    assert segments(tiles).tolist() == [*range(8), *ends.tolist()]
+    blockwise = TileSet.from_block_mask(MaskSpec.causal_blockwise(16384, block=1024, k_local=2).block_mask(128))
+    assert shared_columns(blockwise).tolist() == list(range(8))
+    long_doc = TileSet.from_block_mask(MaskSpec.documents([12288, 1024, 2048, 1024]).block_mask(128))
+    assert np.bincount(long_doc.kv)[0] > 0.5 * long_doc.num_blocks and shared_columns(long_doc).size == 0
+    assert segments(long_doc).tolist() == [0, 96, 104, 120, 128]
+
+
 def test_document_segments_keep_a_short_document_on_one_node():
     """Three documents of 22K, 52K and 56K tokens over 4 nodes: the tile-count segments see one segment
     (no boundary is block-aligned), whose pieces go to every node; the document segments keep the 22K
