@@ -126,6 +126,8 @@ def time_planning(spec: MaskSpec, world_size: int, strategy: str, repeats: int, 
     extract = time.perf_counter() - t0
     times, cpu_times = [], []
     for _ in range(repeats):
+        # cold, as a new batch: clear_plan_cache also forgets the TileSet (so tile extraction, the merged
+        # copies and every per-batch memo count in the plan time); the BlockMask stays classified
         clear_plan_cache()
         t0, c0 = time.perf_counter(), time.process_time()
         plan = make_plan(spec, world_size, strategy=strategy, block_size=BLOCK, check=False,

@@ -18,7 +18,7 @@ from .placement import Placement, compact_stages
 from .plan import Plan
 from .schedule import as_relay_table, check_plan, derive_schedule
 from .stages import finish_placement
-from .tiles import TileSet
+from .tiles import TileSet, forget_tile_sets
 
 DEFAULT_BLOCK_SIZE = 128
 MIN_AUTO_BLOCK_SIZE = 16
@@ -155,8 +155,10 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
 
 
 def clear_plan_cache() -> None:
-    """Forget every cached plan."""
+    """Forget every cached plan, and the TileSets converted from block masks with their memos
+    (merged copies, crossing counts, segments): the next plan of a mask starts from scratch."""
     _cache.clear()
+    forget_tile_sets()
 
 
 def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_size: int, num_q_heads: int,

@@ -468,7 +468,7 @@ def _mostly_split_segments(tiles: TileSet, world_size: int) -> bool:
     blocks they start in, so short documents that share blocks stay apart) longer than a rank's memory
     share: cut up in any placement, where runs along memory ("contiguous") may read less KV than FCP's
     zigzag groups (the long-tail benchmark batches on 8 ranks, and Wikipedia batch 2 with its long
-    documents; a shared question is read across every cut, so such a batch is one segment)."""
+    documents)."""
     from .fcp import segments
 
     bounds = segments(tiles, documents=True)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import weakref
 
 import numpy as np
 
@@ -48,6 +49,7 @@ NODE_AFFINITY = 0.10  # else a rank on the segment's node is preferred within 10
 PAIR_SLACK = 0.1  # zigzag pairs are used when the heaviest is within 10% of the segment's mean piece
 SPLIT_SLACK = 0.1  # a segment up to 10% heavier than a rank's share stays on one rank (the balancer trims it)
 SHARED_COLUMN = 0.5  # a kv-block read by more than half of the q-blocks is shared by the batch (``segments``)
+_segments_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # TileSet -> {documents: bounds}
 
 
 def segments(tiles: TileSet, documents: bool = False) -> np.ndarray:
@@ -63,6 +65,15 @@ def segments(tiles: TileSet, documents: bool = False) -> np.ndarray:
     that block (partial tiles: only the document's few tokens there), so the tile count sees a long
     run of crossings and, with no document boundary on a block boundary, one segment for the whole
     batch; these partial tiles into the block just before a boundary are not counted there."""
+    per_tiles = _segments_cache.setdefault(tiles, {})  # (dcp's candidates and its segment test share them)
+    if documents not in per_tiles:
+        bounds = _segments(tiles, documents)
+        bounds.setflags(write=False)
+        per_tiles[documents] = bounds
+    return per_tiles[documents]
+
+
+def _segments(tiles: TileSet, documents: bool) -> np.ndarray:
     nB = tiles.num_blocks
     crossing = tiles.crossing_counts()
     if documents:
@@ -177,7 +188,7 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
             heap.append((-(cost[e] - cost[s]), s, e, seg, e, e))
     heapq.heapify(heap)
 
-    runs = []  # (start, end, bin) block runs, written into home once at the end
+    starts, ends, owners = [], [], []  # block runs and their bins, written into home once at the end
     # Plain Python lists: the loop touches one rank per piece, and for P <= a few hundred a list
     # min beats a numpy call. ratio = load per unit of weight, +inf once a bin is full.
     weights = weight.tolist()
@@ -212,16 +223,28 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
                 heapq.heappush(heap, (-(cost[b] - cost[a]), a, b, seg, b, b))
             continue
         take = min(e - s, room[r])
-        runs += ((s, s + take, r), (s2, e2, r))
+        starts.append(s)
+        ends.append(s + take)
+        owners.append(r)
+        if e2 > s2:
+            starts.append(s2)
+            ends.append(e2)
+            owners.append(r)
         room[r] -= take + (e2 - s2)
         load[r] += cost[s + take] - cost[s] + cost[e2] - cost[s2]
         ratio[r] = load[r] / weights[r] if room[r] > 0 else math.inf
-        heapq.heappush(idle, (ratio[r], r))
-        seg_node.setdefault(seg, node_of[r])
-        seg_ranks.setdefault(seg, []).append(r)
+        if r == idle[0][1]:  # (the usual case) its entry is the top: replace it rather than leave it stale
+            heapq.heapreplace(idle, (ratio[r], r))
+        else:
+            heapq.heappush(idle, (ratio[r], r))
+        if held is None:
+            seg_node[seg] = node_of[r]
+            seg_ranks[seg] = [r]
+        else:
+            held.append(r)
         if s + take < e:
             heapq.heappush(heap, (-(cost[e] - cost[s + take]), s + take, e, seg, e, e))
-    start, end, owner = np.array(runs, dtype=np.int64).reshape(-1, 3).T
+    start, end, owner = (np.array(x, dtype=np.int64) for x in (starts, ends, owners))
     order = np.argsort(start, kind="stable")  # the runs partition [0, nB)
     return np.repeat(owner[order], (end - start)[order])
 

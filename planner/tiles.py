@@ -84,6 +84,13 @@ class TileSet:
         return cached
 
 
+def forget_tile_sets() -> None:
+    """Forget the TileSets converted from BlockMasks and their merged copies (with every memo they
+    carry), so the next plan of the same mask starts from scratch, as a new batch would."""
+    _from_block_mask_cache.clear()
+    _coarsen_cache.clear()
+
+
 def coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
     """Merge ``factor`` x ``factor`` blocks into one (block size ``factor * B``) for faster planning.
 
