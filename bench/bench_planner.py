@@ -4,8 +4,9 @@ For batches of 128K tokens drawn from real Wikipedia document lengths and from a
 (LongAlign-like, 8K-64K) mix, and for causal-document, per-document lambda (sink 64, window 4096),
 shared-question and causal-blockwise masks, at world sizes 8, 16, 32 (8 ranks per node, plus 16 at
 4 per node and 32 on one NVLink domain), it plans every strategy and records compute imbalance,
-bytes, simulated attention time (planner/cost_model.py) and the lower bound. It also times planning at 128K tokens / 8 ranks
-and 1M tokens / 64 ranks (block classification, the lead's BlockMask, timed separately).
+bytes, simulated attention time (planner/cost_model.py) and the lower bound. It also times planning,
+cold as for a new batch, at 128K tokens / 8 ranks (every batch) and 1M tokens / 64 ranks (block
+classification, the lead's BlockMask, timed separately).
 
 "zigzag-ring" is literal ring attention over the zigzag placement (every KV shard forwarded P-1
 times, one peer per step), the baseline DCP reports its speedups against; "zigzag" is the same
@@ -208,19 +209,22 @@ def main() -> None:
         clear_plan_cache()
         nic.append(entry)
 
-    # planning time: 128K / 8 ranks (both sources) and 1M / 64 ranks (Wikipedia)
+    # planning time: 128K / 8 ranks (every batch of both sources: one batch alone misleads, a Wikipedia
+    # batch with no document over a rank's share plans one candidate, most plan three) and 1M / 64 ranks
     timing = []
     repeats = 3 if args.quick else 5
-    for src, lens in (("wikipedia", batches[0][1]), ("longtail", batches[n_batches][1])):
+    for b, (src, lens) in enumerate(batches):
         for strategy in ("dcp", "fcp", "zigzag"):
-            timing.append({"source": src, **time_planning(MaskSpec.documents(lens), 8, strategy, repeats, grad)})
+            timing.append({"source": src, "batch": b, **time_planning(MaskSpec.documents(lens), 8, strategy, repeats, grad)})
     big = wiki_batch(rng, wiki, 1 << 20)
     for strategy in ("dcp", "fcp", "zigzag"):
-        timing.append({"source": "wikipedia", **time_planning(MaskSpec.documents(big), 64, strategy, repeats, grad)})
+        timing.append({"source": "wikipedia", "batch": len(batches),
+                       **time_planning(MaskSpec.documents(big), 64, strategy, repeats, grad)})
 
     report = {"config": {"heads": HEADS, "dtype": "bfloat16", "grad_comm_dtype": args.grad_comm_dtype, "block_size": BLOCK, "tokens": T, "quick": args.quick,
                          "seed": args.seed, "host": platform.node(), "cpu_threads": torch.get_num_threads()},
-              "results": results, "planning_time": timing, "summary": summary(results),
+              "results": results, "planning_time": timing, "planning_time_by_source": planning_summary(timing),
+              "summary": summary(results),
               "by_configuration": by_configuration(results),
               "step_over_lower_bound_by_nic_speed": nic}
     out = Path(args.out)
@@ -228,6 +232,17 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=1))
     print_report(report)
     print(f"wrote {out}")
+
+
+def planning_summary(timing: list) -> list:
+    """Per (source, tokens, ranks, strategy): the median and max over batches of each batch's fastest
+    plan (``plan_ms_min``), and the batches' count."""
+    groups = {}
+    for t in timing:
+        groups.setdefault((t["source"], t["tokens"], t["world_size"], t["strategy"]), []).append(t["plan_ms_min"])
+    return [{"source": src, "tokens": tokens, "world_size": P, "strategy": strategy, "batches": len(ms),
+             "plan_ms_median": float(np.median(ms)), "plan_ms_max": float(np.max(ms))}
+            for (src, tokens, P, strategy), ms in groups.items()]
 
 
 def _geomean(x: np.ndarray) -> float:
@@ -343,10 +358,14 @@ def print_report(report: dict) -> None:
         print(f"long-tail batch {e['batch']} causal_docs 32/8: fwd+bwd / bound {e['nic_400gbps']:.3f} at 400 Gb/s, "
               f"{e['nic_as_nvlink']:.3f} with the NIC as fast as NVLink")
     for t in report["planning_time"]:
-        print(f"plan {t['source']:9s} T={t['tokens']:8d} P={t['world_size']:2d} {t['strategy']:7s} tiles={t['tiles']:7d} "
-              f"plan {t['plan_ms_min']:7.2f} ms (median {t['plan_ms_median']:7.2f}, cpu {t['plan_cpu_ms_min']:7.2f}), classification "
+        print(f"plan {t['source']:9s} batch {t['batch']} T={t['tokens']:8d} P={t['world_size']:2d} {t['strategy']:7s} "
+              f"tiles={t['tiles']:7d} plan {t['plan_ms_min']:7.2f} ms (median {t['plan_ms_median']:7.2f}, "
+              f"cpu {t['plan_cpu_ms_min']:7.2f}), classification "
               f"{t['block_classification_ms']:8.1f} ms, tile extraction {t['tile_extraction_ms']:6.1f} ms, check {t['check_plan_ms']:6.1f} ms; "
               f"fwd+bwd / bound {t['step_over_lower_bound']:.2f}")
+    for t in report["planning_time_by_source"]:
+        print(f"plan {t['source']:9s} T={t['tokens']:8d} P={t['world_size']:2d} {t['strategy']:7s} over {t['batches']} "
+              f"batch(es): median {t['plan_ms_median']:8.2f} ms, max {t['plan_ms_max']:8.2f} ms")
 
 
 if __name__ == "__main__":

@@ -57,3 +57,14 @@ def test_by_configuration_geomean_max_and_time_weighted():
     assert c["inter_node_bytes_over_zigzag_max"] == pytest.approx(1.0)
     assert summary["8/8"]["dcp_over_lower_bound_time_weighted"] == pytest.approx(1.0)
     assert "inter_node_bytes_over_zigzag_geomean" not in summary["8/8"]  # (one node: no slow link)
+
+
+def test_planning_summary_is_the_median_and_max_over_batches():
+    bench = _bench_planner()
+    rows = [{"source": "wikipedia", "tokens": 131072, "world_size": 8, "strategy": "dcp", "plan_ms_min": ms}
+            for ms in (4.0, 30.0, 20.0)]
+    rows.append({"source": "longtail", "tokens": 131072, "world_size": 8, "strategy": "dcp", "plan_ms_min": 9.0})
+    by_source = {t["source"]: t for t in bench.planning_summary(rows)}
+    assert by_source["wikipedia"] == {"source": "wikipedia", "tokens": 131072, "world_size": 8, "strategy": "dcp",
+                                      "batches": 3, "plan_ms_median": 20.0, "plan_ms_max": 30.0}
+    assert by_source["longtail"]["batches"] == 1 and by_source["longtail"]["plan_ms_median"] == 9.0
