@@ -298,9 +298,9 @@ def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel,
 def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
         head_dim: int, element_size: int, max_stages: int, init: str | None = None, grad_element_size: int = 4,
         **_) -> Placement:
-    """DCP placement (see module docstring). ``init`` forces one initial data placement
-    ("contiguous", "hierarchical", "hierarchical-fcp", "zigzag", "fcp", "fcp-docs", "dealt", "dealt-nodes"); by
-    default the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in turn and the fastest (simulated
+    """DCP placement (see module docstring). ``init`` forces one initial data placement ("contiguous",
+    "hierarchical", "hierarchical-fcp", "zigzag", "fcp", "fcp-docs", "dealt", "dealt-nodes"); by default
+    the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in turn and the fastest (simulated
     fwd + bwd time) is kept."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
