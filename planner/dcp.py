@@ -305,6 +305,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
     one_node = world_size <= cost_model.topology.ranks_per_node
+    bound = _lower_bound(tiles, world_size, cost_model, sizes)
     transit = not one_node and init is None
     if transit:
         # several nodes: the finalists within RECHECK of the fastest each get their transit relays before
@@ -315,7 +316,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         # as on one node: of those within GOOD_ENOUGH of the bound and BYTES_SLACK of the fastest, the
         # fewest bytes (causal_blockwise, 16 ranks / 8 per node: hot rows pushed per kv-rank at 1.0419x
         # the bound with 4.96 GB, per kv-node 1.0367x with 11.8 GB, mostly KV over NVLink)
-        result = _fewest_bytes(tiles, firsts, GOOD_ENOUGH * _lower_bound(tiles, world_size, cost_model, sizes), sizes)
+        result = _fewest_bytes(tiles, firsts, GOOD_ENOUGH * bound, sizes)
     else:
         result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
     if init is not None or world_size == 1 or (one_node and coarsening_factor(tiles, world_size) > 1):
@@ -324,8 +325,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     # so dcp is never slower than them in the cost model - also after planning on merged blocks, the
     # candidate preselection, or on batches so small that per-stage latency dominates.
     result = _scored(tiles, result, world_size, cost_model, sizes)
-    if one_node and result.sim_time <= GOOD_ENOUGH * _lower_bound(
-            tiles, world_size, cost_model, sizes):
+    if one_node and result.sim_time <= GOOD_ENOUGH * bound:
         return result  # one node, near the bound: nothing to gain
     if one_node:
         # restaged as the multi-node finalists are, kept where faster (32 ranks on one NVLink domain,
@@ -342,7 +342,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         base, base_time = _place(tiles, world_size, name, cost_model, max_stages, sizes)
         if base_time < result.sim_time:
             result = _with_transit(tiles, base, world_size, cost_model, sizes) if transit else base
-    if not one_node and result.sim_time > SECOND_OPINION * _lower_bound(tiles, world_size, cost_model, sizes):
+    if not one_node and result.sim_time > SECOND_OPINION * bound:
         # seeded with the homes of the kept plan and of every first-pass finalist: a slower first plan's
         # homes may balance better with spread sends (32 ranks, a long-tail shared-question batch: 1.459x
         # the bound from the kept plan's homes, 1.415x from the runner-up's); every refined finalist gets

@@ -40,7 +40,7 @@ import numpy as np
 from .cost_model import CostModel
 from .placement import Placement, compact_stages, prefix_sums
 from .stages import assign_stages
-from .tiles import TileSet
+from .tiles import TileSet, boundary_crossings
 
 SEGMENT_CUT = 2  # a boundary crossed by at most this many tiles separates two segments
 PIECES_PER_RANK = 4  # long segments are cut into pieces of cap / 4 blocks
@@ -86,9 +86,7 @@ def _segments(tiles: TileSet, documents: bool) -> np.ndarray:
         sel = shared[tiles.kv]
         if documents:
             sel &= ~started  # (already left out at the boundary after their kv-block)
-        lo, hi = np.minimum(tiles.q[sel], tiles.kv[sel]), np.maximum(tiles.q[sel], tiles.kv[sel])
-        spans = np.bincount(lo + 1, minlength=nB + 2) - np.bincount(hi + 1, minlength=nB + 2)
-        crossing = crossing - np.cumsum(spans)[: nB + 1]
+        crossing = crossing - boundary_crossings(tiles.q[sel], tiles.kv[sel], nB)
     cuts = np.flatnonzero(crossing[1:-1] <= SEGMENT_CUT) + 1
     return np.concatenate(([0], cuts, [nB])).astype(np.int64)
 

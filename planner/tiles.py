@@ -74,14 +74,18 @@ class TileSet:
         Computed once per TileSet (dcp's candidates and its segment test all read it)."""
         cached = self.__dict__.get("_crossing")
         if cached is None:
-            lo = np.minimum(self.q, self.kv)
-            hi = np.maximum(self.q, self.kv)
-            size = self.num_blocks + 2
-            diff = np.bincount(lo + 1, minlength=size) - np.bincount(hi + 1, minlength=size)
-            cached = np.cumsum(diff)[: self.num_blocks + 1]
+            cached = boundary_crossings(self.q, self.kv, self.num_blocks)
             cached.setflags(write=False)
             object.__setattr__(self, "_crossing", cached)  # (frozen dataclass: a private memo)
         return cached
+
+
+def boundary_crossings(q: np.ndarray, kv: np.ndarray, num_blocks: int) -> np.ndarray:
+    """int64 [nB + 1]: for boundary j (between blocks j-1 and j), how many of the tiles (q, kv) have
+    their q and kv on opposite sides (``TileSet.crossing_counts`` over a subset of the tiles)."""
+    lo, hi = np.minimum(q, kv), np.maximum(q, kv)
+    size = num_blocks + 2
+    return np.cumsum(np.bincount(lo + 1, minlength=size) - np.bincount(hi + 1, minlength=size))[: num_blocks + 1]
 
 
 def forget_tile_sets() -> None:
