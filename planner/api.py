@@ -12,7 +12,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from . import baselines, dcp, fcp
+from . import baselines, dcp, fcp, hypergraph
 from .cost_model import CostModel, Topology
 from .placement import Placement, compact_stages
 from .plan import Plan
@@ -35,10 +35,11 @@ def _strategies() -> dict:
         "ring": baselines.ring,
         "zigzag": baselines.zigzag,
         "allgather": baselines.allgather,
+        "hypergraph": hypergraph.hypergraph,
     }
 
 
-STRATEGIES = ("dcp", "fcp", "ring", "zigzag", "allgather")
+STRATEGIES = ("dcp", "fcp", "ring", "zigzag", "allgather", "hypergraph")
 
 
 def default_block_size(total_len: int, world_size: int) -> int:
@@ -109,7 +110,8 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     """Plan one batch: which rank holds each token block, which rank computes each non-empty tile
     in which stage, and every transfer that implies (see docs/design.md, "Plan").
 
-    ``strategy``: "dcp" (default), "fcp", or a baseline "ring", "zigzag", "allgather".
+    ``strategy``: "dcp" (default), "fcp", or a baseline "ring", "zigzag", "allgather", or "hypergraph"
+    (DCP's formulation solved by Mt-KaHyPar, planner/hypergraph.py: ``pip install 'blockattn[hypergraph]'``).
     ``topology``: ranks per node and link speeds (default: 8 H200 per node, NVLink + 400 Gb/s).
     ``max_stages``: upper bound on communication stages for dcp/fcp (stage 0 excluded).
     ``grad_comm_dtype``: dtype of the dQ / dK / dV partials sent back to the blocks' homes, which sum
