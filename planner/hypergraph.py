@@ -28,6 +28,8 @@ computes the same plan). ``pip install 'blockattn[hypergraph]'`` brings Mt-KaHyP
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .cost_model import CostModel
@@ -42,6 +44,7 @@ COMPUTE_EPS = 0.01  # FLOPs per rank within 1% of the mean (dcp reaches 1-2% on 
 SEED = 0
 _WEIGHT_LIMIT = 1 << 28  # Mt-KaHyPar's vertex and net weights are 32-bit: totals are scaled below this
 _partitioner = None
+_lock = threading.Lock()  # one partition at a time per process: the library and its seed are global
 
 
 def _mtkahypar():
@@ -54,7 +57,6 @@ def _mtkahypar():
                           "pip install 'blockattn[hypergraph]' (or pip install mtkahypar)") from err
     if _partitioner is None:
         _partitioner = mtkahypar.initialize(1, False)
-    mtkahypar.set_seed(SEED)
     return mtkahypar, _partitioner
 
 
@@ -79,10 +81,10 @@ def _partition(nets: list, net_weights: list, vertex_weights: list, parts: np.nd
                fixed: list | None = None) -> np.ndarray:
     """Part of every vertex: Mt-KaHyPar, connectivity objective, ``len(parts)`` parts whose weights
     follow ``parts`` (ranks per part) within ``epsilon``; ``fixed``: part per vertex or -1."""
-    mtkahypar, init = _mtkahypar()
     k = len(parts)
     if k == 1:
         return np.zeros(len(vertex_weights), dtype=np.int64)
+    mtkahypar, init = _mtkahypar()
     context = init.context_from_preset(mtkahypar.PresetType.DETERMINISTIC)
     context.set_partitioning_parameters(k, epsilon, mtkahypar.Objective.KM1)
     context.logging = False
@@ -90,12 +92,16 @@ def _partition(nets: list, net_weights: list, vertex_weights: list, parts: np.nd
         total = sum(vertex_weights)
         context.set_individual_target_block_weights(
             [int((1 + epsilon) * total * r / parts.sum()) + 1 for r in parts.tolist()])
-    graph = init.create_hypergraph(context, len(vertex_weights), len(nets), nets, vertex_weights, net_weights)
+    with _lock:
+        mtkahypar.set_seed(SEED)
+        graph = init.create_hypergraph(context, len(vertex_weights), len(nets), nets, vertex_weights, net_weights)
+        if fixed is not None:
+            graph.add_fixed_vertices(fixed, k)
+        part = np.asarray(graph.partition(context).get_partition(), dtype=np.int64)
     if fixed is not None:
-        graph.add_fixed_vertices(fixed, k)
-    part = np.asarray(graph.partition(context).get_partition(), dtype=np.int64)
-    if fixed is not None and not np.array_equal(part[np.asarray(fixed) >= 0], np.asarray(fixed)[np.asarray(fixed) >= 0]):
-        raise RuntimeError("Mt-KaHyPar moved fixed vertices; the hypergraph strategy cannot use this version")
+        pinned = np.asarray(fixed)
+        if not np.array_equal(part[pinned >= 0], pinned[pinned >= 0]):
+            raise RuntimeError("Mt-KaHyPar moved fixed vertices; the hypergraph strategy cannot use this version")
     return part
 
 
