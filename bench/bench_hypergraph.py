@@ -22,9 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from bench_planner import BLOCK, HEADS, SEQLENS, longtail_batch, make_masks, wiki_batch
+from bench_planner import BLOCK, HEADS, SEQLENS, cases, draw_batches
 from blockattn.planner import Topology, clear_plan_cache, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,21 +87,11 @@ def main() -> None:
     T = 128 * 1024
     n_batches = 1 if args.quick else 3
     configs = [(8, 8), (16, 8)] + ([] if args.quick else [(16, 4), (32, 8)])
-    # drawn in bench_planner.py's order, so batch i is the same batch in both reports
-    batches = [("wikipedia", wiki_batch(rng, wiki, T)) for _ in range(n_batches)]
-    batches += [("longtail", longtail_batch(rng, T)) for _ in range(n_batches)]
     results = []
-    progress = tqdm(total=len(batches) * 4 * len(configs), desc="cases")
-    for b, (src, lens) in enumerate(batches):
-        for mask_name, spec in make_masks(lens).items():
-            for P, rpn in configs:
-                progress.update(1)
-                if mask_name == "causal_blockwise" and src != "wikipedia":
-                    continue  # independent of the document lengths
-                topo = Topology(ranks_per_node=rpn)
-                results.append({"source": src, "batch": b, "mask": mask_name, "world_size": P, "ranks_per_node": rpn,
-                                "strategies": {name: measure(spec, P, topo, name) for name in STRATEGIES}})
-    progress.close()
+    for b, src, _lens, mask_name, spec, P, rpn in cases(draw_batches(rng, wiki, T, n_batches), configs, "cases"):
+        topo = Topology(ranks_per_node=rpn)
+        results.append({"source": src, "batch": b, "mask": mask_name, "world_size": P, "ranks_per_node": rpn,
+                        "strategies": {name: measure(spec, P, topo, name) for name in STRATEGIES}})
     from importlib.metadata import version
 
     report = {"config": {"heads": HEADS, "dtype": "bfloat16", "grad_comm_dtype": "float32", "block_size": BLOCK,

@@ -68,6 +68,28 @@ def longtail_batch(rng, total: int) -> list[int]:
     return pack(lengths, total)
 
 
+def draw_batches(rng, wiki: np.ndarray, total: int, n_batches: int) -> list:
+    """(source, document lengths) of n Wikipedia then n long-tail batches: with the same seed, the same
+    batches in every benchmark that draws them this way."""
+    batches = [("wikipedia", wiki_batch(rng, wiki, total)) for _ in range(n_batches)]
+    return batches + [("longtail", longtail_batch(rng, total)) for _ in range(n_batches)]
+
+
+def cases(batches: list, configs: list, desc: str):
+    """Yields (batch index, source, lengths, mask name, MaskSpec, world size, ranks per node) for every
+    batch, mask of ``make_masks`` and (world size, ranks per node) of ``configs``, with a progress bar;
+    causal_blockwise once per Wikipedia batch, as it does not depend on the document lengths."""
+    progress = tqdm(total=len(batches) * 4 * len(configs), desc=desc)
+    for b, (src, lens) in enumerate(batches):
+        for mask_name, spec in make_masks(lens).items():
+            for P, rpn in configs:
+                progress.update(1)
+                if mask_name == "causal_blockwise" and src != "wikipedia":
+                    continue
+                yield b, src, lens, mask_name, spec, P, rpn
+    progress.close()
+
+
 def make_masks(lens: list[int]) -> dict:
     T = sum(lens)
     docs = MaskSpec.documents(lens)
@@ -170,29 +192,21 @@ def main() -> None:
     n_batches = 1 if args.quick else 3
     # (32 ranks on one NVLink domain, as GH200 NVL32: the single-node planner at scale)
     configs = [(8, 8), (16, 8), (32, 8)] + ([] if args.quick else [(16, 4), (32, 32)])
-    batches = [("wikipedia", wiki_batch(rng, wiki, T)) for _ in range(n_batches)]
-    batches += [("longtail", longtail_batch(rng, T)) for _ in range(n_batches)]
+    batches = draw_batches(rng, wiki, T, n_batches)
 
     results = []
-    progress = tqdm(total=len(batches) * 4 * len(configs), desc="plans")
-    for b, (src, lens) in enumerate(batches):
-        for mask_name, spec in make_masks(lens).items():
-            for P, rpn in configs:
-                progress.update(1)
-                if mask_name == "causal_blockwise" and src != "wikipedia":
-                    continue  # independent of the document lengths: once per batch index is enough
-                topo = Topology(ranks_per_node=rpn)
-                entry = {"source": src, "batch": b, "mask": mask_name, "world_size": P, "ranks_per_node": rpn,
-                         "documents": len(lens), "strategies": {}}
-                for strategy in STRATEGIES:
-                    plan = make_plan(spec, P, strategy=strategy, block_size=BLOCK, topology=topo,
-                                     grad_comm_dtype=grad, **HEADS)
-                    entry["strategies"][strategy] = summarize(plan.stats())
-                    if strategy == "zigzag":
-                        entry["strategies"]["zigzag-ring"] = literal_zigzag_ring(plan, topo)
-                clear_plan_cache()
-                results.append(entry)
-    progress.close()
+    for b, src, lens, mask_name, spec, P, rpn in cases(batches, configs, "plans"):
+        topo = Topology(ranks_per_node=rpn)
+        entry = {"source": src, "batch": b, "mask": mask_name, "world_size": P, "ranks_per_node": rpn,
+                 "documents": len(lens), "strategies": {}}
+        for strategy in STRATEGIES:
+            plan = make_plan(spec, P, strategy=strategy, block_size=BLOCK, topology=topo,
+                             grad_comm_dtype=grad, **HEADS)
+            entry["strategies"][strategy] = summarize(plan.stats())
+            if strategy == "zigzag":
+                entry["strategies"]["zigzag-ring"] = literal_zigzag_ring(plan, topo)
+        clear_plan_cache()
+        results.append(entry)
 
     # What limits 4 nodes: the long-tail causal batches at 32 ranks / 8 per node, planned again with a
     # NIC as fast as NVLink (bandwidth and latency): the gap to the bound that is left is the planner's.
