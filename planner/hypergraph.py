@@ -6,24 +6,24 @@ touches. With the connectivity metric sum_e w(e) * (lambda(e) - 1), a net per da
 are the block's home and every tile that reads it counts exactly the zero-redundant schedule's
 bytes: the block goes once to each other rank that reads it (planner/schedule.py).
 
-DCP partitions data and compute blocks together under two balance constraints (memory and FLOPs,
-PaToH's multi-constraint mode). Mt-KaHyPar (MIT, on PyPI) balances one vertex weight, so the same
-model is solved in two phases here:
+Memory and FLOPs must both be balanced, and Mt-KaHyPar (MIT, on PyPI) balances one vertex weight,
+so the model is solved in two phases:
 
 1. Data: vertices = blocks (weight = tokens, balanced within ``MEMORY_EPS``); a net per kv-block b =
    {b} + the q-blocks that read it, weight = the KV and dK/dV bytes of b. With every tile computed
    at its q-block's home, lambda - 1 is the number of ranks b is sent to.
-2. Compute: the blocks are fixed at those homes (weight 1, negligible); vertices = tiles (weight = unmasked
-   pairs, balanced within ``COMPUTE_EPS``); per block a Q net = {b} + the tiles of row b (Q, OUT,
-   dO and dQ bytes) and a KV net = {b} + the tiles of column b (KV and dK/dV bytes). The objective
-   is then the plan's total bytes. On several nodes both phases partition over the nodes first (the
+2. Compute: the blocks are fixed at those homes (weight 1, negligible); vertices = tiles (weight =
+   unmasked pairs, balanced within ``COMPUTE_EPS``); per block a Q net = {b} + the tiles of row b
+   (Q, OUT, dO and dQ bytes) and a KV net = {b} + the tiles of column b (KV and dK/dV bytes). The
+   objective is then the plan's total bytes. On several nodes both phases partition over the nodes first (the
    objective is then the inter-node bytes), then each node's vertices over its ranks.
 
 The tiles are then staged and completed like every strategy's (planner/stages.py), with dcp's KV
 relays on several nodes, so only the placement differs from dcp's.
 
-Planning takes ~0.1-1 s per 100K tiles (one thread, the DETERMINISTIC preset, so that every rank
-computes the same plan). ``pip install 'blockattn[hypergraph]'`` brings Mt-KaHyPar.
+Planning takes seconds (0.7-38 s per 128K-token batch on 8 ranks, on a 2-core CPU: one thread and
+the DETERMINISTIC preset, so that every rank computes the same plan; dcp: 7-91 ms).
+``pip install 'blockattn[hypergraph]'`` brings Mt-KaHyPar.
 """
 
 from __future__ import annotations
