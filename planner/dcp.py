@@ -28,8 +28,9 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
    balancer prices KV as the relays will move it (once into a node, then over NVLink).
 3. Stages (planner/stages.py): stage 0 = tiles whose inputs are home; remote inputs ordered by the
    compute they unlock per transfer second and cut into <= ``max_stages`` stages, each sized to hide
-   behind the previous stage's compute; purely local tiles are then spread into later stages where
-   a rank's transfers (e.g. OUT partials returning to a donor) would otherwise be exposed.
+   behind the previous stage's compute; purely local tiles, and tiles of a rank's own rows whose KV
+   still arrives for an earlier tile, are then spread into later stages where a rank's transfers
+   (e.g. OUT partials returning to a donor) would otherwise be exposed: neither moves a transfer.
 4. Relays (planner/relay.py, several nodes only): a KV block read by several ranks of a remote
    node crosses the inter-node link once, to a proxy on that node that forwards it over NVLink,
    and their dK/dV partials are summed on the way back; kept only where the cost model says so.

@@ -208,8 +208,9 @@ def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, i
     if S < 2:
         return stage
     seconds = flops / fwd_rate
-    compute = np.bincount(rank * S + stage, weights=seconds, minlength=world_size * S).reshape(world_size, S)
-    compute = np.concatenate([compute, np.zeros((world_size, 1))], axis=1)
+    # (a column for stage S too: spread_own_rows may already have opened it)
+    compute = np.bincount(rank * (S + 1) + stage, weights=seconds, minlength=world_size * (S + 1)).reshape(
+        world_size, S + 1)
     last = S if extra_stage else S - 1
     gaps = np.maximum(0.0, comm_time[:, 1:last + 1] - compute[:, 1:last + 1])  # stage s overlaps exchange s
     local0 = is_local & (stage == 0)
@@ -219,6 +220,54 @@ def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, i
     order = order[np.argsort(rank[order], kind="stable")]
     fill = np.arange(last, 0, -1)
     return _pour(stage, local_work(order, rank, seconds, world_size), gaps[:, fill - 1], movable, fill)
+
+
+def own_row_movable(q: np.ndarray, kv: np.ndarray, stage: np.ndarray, rank: np.ndarray, home: np.ndarray) -> np.ndarray:
+    """bool [ntiles]: tiles that may run in any later stage without changing a transfer - of a q-block
+    their rank owns (no Q in, no OUT partial out) and reading a KV block that is home or that an
+    earlier-or-equal-staged tile of the same rank, which stays, also reads (the block still arrives
+    for that tile: its first need does not move)."""
+    own = home[q] == rank
+    remote_kv = home[kv] != rank
+    idx = np.flatnonzero(remote_kv)
+    anchor = np.zeros(q.size, dtype=bool)
+    if idx.size:
+        # per (rank, kv-block) the tile in its earliest stage (ties: the first) keeps the block's arrival
+        key = (rank[idx] * (int(kv.max()) + 1) + kv[idx]) * (int(stage.max()) + 1) + stage[idx]
+        by = idx[np.argsort(key, kind="stable")]
+        group = rank[by] * (int(kv.max()) + 1) + kv[by]
+        anchor[by[run_heads(group)]] = True
+    return own & ~anchor
+
+
+def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, movable: np.ndarray,
+                    comm_time: np.ndarray, *, world_size: int, num_stages: int, extra_stage: bool = False) -> np.ndarray:
+    """Move ``movable`` tiles (``own_row_movable``) out of each rank's last stage with compute into the
+    later stages whose exchanges would otherwise be exposed (OUT partials that helpers computed late
+    arriving at a home that has finished), keeping what hides the last stage's own exchange. No
+    transfer changes. Before it only purely local tiles were spread, and a home whose local tiles all
+    hide exchange 0 sat idle while its partials arrived (16 ranks / 8 per node, a Wikipedia causal
+    batch: forward 656 -> 524 us against a 497 us bound). Over the 95 eval cases per dtype: fp32
+    partials 37 faster, 1 slower (0.7%), 16 / 8 geomean 1.062 -> 1.047x the bound; bf16 55 / 1 (0.2%);
+    20 more Wikipedia batches on 8 ranks 1.021 -> 1.018 (max 1.050 -> 1.026). ``seconds``: per-tile forward compute; ``comm_time`` [P, S + 1]. With
+    ``extra_stage`` the last exchange counts as the gap of a new stage S (as ``spread_local_tiles``)."""
+    S, P = num_stages, world_size
+    if S < 2 or not movable.any():
+        return stage
+    per = np.bincount(rank * S + stage, weights=seconds, minlength=P * S).reshape(P, S)
+    used = per > 0
+    last = np.where(used.any(axis=1), S - 1 - np.argmax(used[:, ::-1], axis=1), 0)
+    width = S + 1 if extra_stage else S
+    per = np.concatenate([per, np.zeros((P, 1))], axis=1)
+    gaps = np.maximum(0.0, comm_time[:, :width] - per[:, :width])
+    gaps[np.arange(width)[None, :] <= last[:, None]] = 0.0  # only stages after the last with compute
+    if not gaps.any():
+        return stage
+    surplus = per[np.arange(P), last] - comm_time[np.arange(P), last]
+    cand = np.flatnonzero(movable & (stage == last[rank]))[::-1]
+    cand = cand[np.argsort(rank[cand], kind="stable")]
+    fill = np.arange(1, width)  # earliest gap first
+    return _pour(stage, local_work(cand, rank, seconds, world_size), gaps[:, fill], surplus, fill)
 
 
 def backward_stages(q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray, num_stages: int) -> np.ndarray:
@@ -367,8 +416,9 @@ def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarra
                      max_stages: int | None = None, score: bool = True) -> Placement:
     """The Placement of given homes, tile ranks and forward stages, completed: stages compacted,
     backward stages (``backward_stages``), the CommSchedule, local tiles spread into the stages where
-    transfers would otherwise be exposed (forward only with ``spread_forward``, into one more stage of
-    local tiles after the last when ``max_stages`` allows it; backward always), and the simulated
+    transfers would otherwise be exposed (forward only with ``spread_forward``, then also the tiles of
+    a rank's own rows that move no transfer, ``spread_own_rows``; into one more stage after the last
+    when ``max_stages`` allows it; backward always), and the simulated
     forward + backward time (``score``; without it, ``sim_time`` is None and the forward's transfer
     times are not computed). ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size, grad_element_size."""
     return Finisher(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes).finish(
@@ -449,6 +499,8 @@ class Finisher:
             # moving local tiles between stages changes no transfer, so the schedule stays valid
             if spread_forward:
                 extra = max_stages is not None and num_stages <= max_stages
+                stage = spread_own_rows(stage, compute, rank, own_row_movable(tiles.q, tiles.kv, stage, rank, home),
+                                        comm["fwd"], world_size=P, num_stages=num_stages, extra_stage=extra)
                 stage = spread_local_tiles(stage, compute * cost_model.fwd_rate, rank, self.local, comm["fwd"],
                                            world_size=P, num_stages=num_stages, fwd_rate=cost_model.fwd_rate,
                                            extra_stage=extra)
