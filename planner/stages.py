@@ -241,16 +241,19 @@ def own_row_movable(q: np.ndarray, kv: np.ndarray, stage: np.ndarray, rank: np.n
 
 
 def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, movable: np.ndarray,
-                    comm_time: np.ndarray, *, world_size: int, num_stages: int, extra_stage: bool = False) -> np.ndarray:
+                    comm_time: np.ndarray, *, world_size: int, num_stages: int,
+                    extra_stage: bool = False) -> np.ndarray:
     """Move ``movable`` tiles (``own_row_movable``) out of each rank's last stage with compute into the
     later stages whose exchanges would otherwise be exposed (OUT partials that helpers computed late
     arriving at a home that has finished), keeping what hides the last stage's own exchange. No
-    transfer changes. Before it only purely local tiles were spread, and a home whose local tiles all
-    hide exchange 0 sat idle while its partials arrived (16 ranks / 8 per node, a Wikipedia causal
-    batch: forward 656 -> 524 us against a 497 us bound). Over the 95 eval cases per dtype: fp32
-    partials 37 faster, 1 slower (0.7%), 16 / 8 geomean 1.062 -> 1.047x the bound; bf16 55 / 1 (0.2%);
-    20 more Wikipedia batches on 8 ranks 1.021 -> 1.018 (max 1.050 -> 1.026). ``seconds``: per-tile forward compute; ``comm_time`` [P, S + 1]. With
-    ``extra_stage`` the last exchange counts as the gap of a new stage S (as ``spread_local_tiles``)."""
+    transfer changes. ``seconds``: per-tile forward compute; ``comm_time`` [P, S + 1]. With
+    ``extra_stage`` the last exchange counts as the gap of a new stage S (as ``spread_local_tiles``).
+
+    Before it only purely local tiles were spread, and a home whose local tiles all hide exchange 0
+    sat idle while its partials arrived (16 ranks / 8 per node, a Wikipedia causal batch: forward
+    656 -> 524 us against a 497 us bound). Over the 95 eval cases per dtype: fp32 partials 37 faster,
+    1 slower (0.7%), 16 / 8 geomean 1.062 -> 1.047x the bound; bf16 55 / 1 (0.2%); 20 more Wikipedia
+    batches on 8 ranks 1.021 -> 1.018 (max 1.050 -> 1.026)."""
     S, P = num_stages, world_size
     if S < 2 or not movable.any():
         return stage

@@ -343,7 +343,8 @@ def test_one_large_node_splits_the_backward_stages_where_faster(monkeypatch):
     of the backward (the dK/dV partials of stage 0) exposed on some ranks; moving whole remote-KV
     groups to stage 1 (``split_backward_stages``), as on several nodes, hides part of it: from the
     "fcp" start 1.269 -> 1.133x the bound. The split is kept only where faster, so it never loses.
-    (One start: which start wins is decided on merged blocks, and would confound the comparison.)"""
+    (From one start: which start ends fastest depends on the restaging too, which would confound the
+    comparison.)"""
     import blockattn.planner.dcp as dcp_module
     import blockattn.planner.stages as stages_module
 
