@@ -243,34 +243,40 @@ def own_row_movable(q: np.ndarray, kv: np.ndarray, stage: np.ndarray, rank: np.n
 def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, movable: np.ndarray,
                     comm_time: np.ndarray, *, world_size: int, num_stages: int,
                     extra_stage: bool = False) -> np.ndarray:
-    """Move ``movable`` tiles (``own_row_movable``) out of each rank's last stage with compute into the
-    later stages whose exchanges would otherwise be exposed (OUT partials that helpers computed late
-    arriving at a home that has finished), keeping what hides the last stage's own exchange. No
+    """Move ``movable`` tiles (``own_row_movable``) into later stages whose exchanges would otherwise be
+    exposed (OUT partials that helpers computed late arriving at a home that has finished): stage by
+    stage from the latest, each stage's surplus over its own exchange fills the gaps after it. No
     transfer changes. ``seconds``: per-tile forward compute; ``comm_time`` [P, S + 1]. With
     ``extra_stage`` the last exchange counts as the gap of a new stage S (as ``spread_local_tiles``).
 
     Before it only purely local tiles were spread, and a home whose local tiles all hide exchange 0
     sat idle while its partials arrived (16 ranks / 8 per node, a Wikipedia causal batch: forward
-    656 -> 524 us against a 497 us bound). Over the 95 eval cases per dtype: fp32 partials 37 faster,
-    1 slower (0.7%), 16 / 8 geomean 1.062 -> 1.047x the bound; bf16 55 / 1 (0.2%); 20 more Wikipedia
-    batches on 8 ranks 1.021 -> 1.018 (max 1.050 -> 1.026)."""
+    656 -> 524 us against a 497 us bound). From each rank's last stage with compute only, over the 95
+    eval cases per dtype: fp32 partials 37 faster, 1 slower (0.7%), 16 / 8 geomean 1.062 -> 1.047x the
+    bound; bf16 55 / 1 (0.2%); 20 more Wikipedia batches on 8 ranks 1.021 -> 1.018 (max 1.050 ->
+    1.026). From every stage: fp32 a further 29 faster, 3 slower (<= 1.2%; 32 (32) 1.098 -> 1.086),
+    bf16 32 / 2 (two long-tail plans 0.3% and 1.8% slower with 30-37% fewer bytes; 16 / 4 1.076 -> 1.061)."""
     S, P = num_stages, world_size
     if S < 2 or not movable.any():
         return stage
-    per = np.bincount(rank * S + stage, weights=seconds, minlength=P * S).reshape(P, S)
-    used = per > 0
-    last = np.where(used.any(axis=1), S - 1 - np.argmax(used[:, ::-1], axis=1), 0)
     width = S + 1 if extra_stage else S
-    per = np.concatenate([per, np.zeros((P, 1))], axis=1)
-    gaps = np.maximum(0.0, comm_time[:, :width] - per[:, :width])
-    gaps[np.arange(width)[None, :] <= last[:, None]] = 0.0  # only stages after the last with compute
-    if not gaps.any():
-        return stage
-    surplus = per[np.arange(P), last] - comm_time[np.arange(P), last]
-    cand = np.flatnonzero(movable & (stage == last[rank]))[::-1]
-    cand = cand[np.argsort(rank[cand], kind="stable")]
-    fill = np.arange(1, width)  # earliest gap first
-    return _pour(stage, local_work(cand, rank, seconds, world_size), gaps[:, fill], surplus, fill)
+    ranks = np.arange(P)
+    # from the latest stage down: a stage's surplus over its own exchange goes to the exposed gaps of the
+    # stages after it, earliest first
+    for source in range(S - 1, 0, -1):
+        per = np.bincount(rank * width + stage, weights=seconds, minlength=P * width).reshape(P, width)
+        gaps = np.maximum(0.0, comm_time[:, :width] - per)
+        gaps[:, : source + 1] = 0.0
+        if not gaps.any():
+            continue
+        cand = np.flatnonzero(movable & (stage == source))[::-1]
+        if cand.size == 0:
+            continue
+        cand = cand[np.argsort(rank[cand], kind="stable")]
+        surplus = per[ranks, source] - comm_time[ranks, source]
+        fill = np.arange(source + 1, width)
+        stage = _pour(stage, local_work(cand, rank, seconds, world_size), gaps[:, fill], surplus, fill)
+    return stage
 
 
 def backward_stages(q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray, num_stages: int) -> np.ndarray:
