@@ -70,7 +70,8 @@ def by_configuration(results: list) -> list:
             }
             if P > rpn:
                 entry[name]["bytes_inter_node_over_dcp_geomean"] = _geomean(
-                    [max(c["bytes_inter_node"], 1) / max(row["dcp"]["bytes_inter_node"], 1) for c, row in zip(col, rows)])
+                    [max(c["bytes_inter_node"], 1) / max(row["dcp"]["bytes_inter_node"], 1)
+                     for c, row in zip(col, rows)])
         out.append(entry)
     return out
 
