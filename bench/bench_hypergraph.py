@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_planner import BLOCK, HEADS, SEQLENS, cases, draw_batches
+from bench_planner import BLOCK, HEADS, SEQLENS, _geomean, cases, draw_batches
 from blockattn.planner import Topology, clear_plan_cache, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,10 +42,6 @@ def measure(spec, world_size: int, topology: Topology, strategy: str) -> dict:
             "compute_imbalance": st["compute_imbalance"], "memory_imbalance": st["memory_imbalance"],
             "bytes": st["bytes_fwd"] + st["bytes_bwd"],
             "bytes_inter_node": st["bytes_inter_node_fwd"] + st["bytes_inter_node_bwd"], "plan_ms": plan_ms}
-
-
-def _geomean(x) -> float:
-    return float(np.exp(np.mean(np.log(np.asarray(x, dtype=np.float64)))))
 
 
 def by_configuration(results: list) -> list:

@@ -111,7 +111,8 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     in which stage, and every transfer that implies (see docs/design.md, "Plan").
 
     ``strategy``: "dcp" (default), "fcp", or a baseline "ring", "zigzag", "allgather", or "hypergraph"
-    (DCP's formulation solved by Mt-KaHyPar, planner/hypergraph.py: ``pip install 'blockattn[hypergraph]'``).
+    (placement by hypergraph partitioning, as in DCP, with Mt-KaHyPar: planner/hypergraph.py,
+    ``pip install 'blockattn[hypergraph]'``).
     ``topology``: ranks per node and link speeds (default: 8 H200 per node, NVLink + 400 Gb/s).
     ``max_stages``: upper bound on communication stages for dcp/fcp (stage 0 excluded).
     ``grad_comm_dtype``: dtype of the dQ / dK / dV partials sent back to the blocks' homes, which sum

@@ -15,8 +15,8 @@ so the model is solved in two phases:
 2. Compute: the blocks are fixed at those homes (weight 1, negligible); vertices = tiles (weight =
    unmasked pairs, balanced within ``COMPUTE_EPS``); per block a Q net = {b} + the tiles of row b
    (Q, OUT, dO and dQ bytes) and a KV net = {b} + the tiles of column b (KV and dK/dV bytes). The
-   objective is then the plan's total bytes. On several nodes both phases partition over the nodes first (the
-   objective is then the inter-node bytes), then each node's vertices over its ranks.
+   objective is then the plan's total bytes. On several nodes both phases partition over the nodes
+   first (the objective is then the inter-node bytes), then each node's vertices over its ranks.
 
 The tiles are then staged and completed like every strategy's (planner/stages.py), with dcp's KV
 relays on several nodes, so only the placement differs from dcp's.
@@ -138,6 +138,13 @@ def _partition_ranks(nets: list, net_weights: list, vertex_weights: list, world_
     return rank
 
 
+def _round_trip_bytes(block_len: np.ndarray, sizes: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Per block, the bytes a rank other than its home costs by reading it: as a q-block (Q in, OUT
+    back, dO in, dQ back) and as a kv-block (KV in, dK/dV back)."""
+    q_trip = sum(payload_bytes(kind, block_len, **sizes) for kind in (KIND_Q, KIND_OUT, KIND_DO, KIND_DQ))
+    return q_trip, payload_bytes(KIND_KV, block_len, **sizes) + payload_bytes(KIND_DKV, block_len, **sizes)
+
+
 def hypergraph_home(tiles: TileSet, world_size: int, *, sizes: dict, topology) -> np.ndarray:
     """Phase 1: the home of every block (see module docstring)."""
     nB = tiles.num_blocks
@@ -145,7 +152,7 @@ def hypergraph_home(tiles: TileSet, world_size: int, *, sizes: dict, topology) -
     reads = np.unique(tiles.kv * nB + tiles.q)  # (kv-block, q-block) pairs, each once
     kv_of, q_of = reads // nB, reads % nB
     off_diagonal = kv_of != q_of
-    kv_bytes = payload_bytes(KIND_KV, block_len, **sizes) + payload_bytes(KIND_DKV, block_len, **sizes)
+    kv_bytes = _round_trip_bytes(block_len, sizes)[1]
     nets = _nets(q_of[off_diagonal], kv_of[off_diagonal], nB, np.arange(nB))
     return _partition_ranks(nets, _scaled(kv_bytes, 1), _scaled(block_len, 1), world_size, MEMORY_EPS, topology)
 
@@ -153,9 +160,7 @@ def hypergraph_home(tiles: TileSet, world_size: int, *, sizes: dict, topology) -
 def hypergraph_ranks(tiles: TileSet, home: np.ndarray, world_size: int, *, sizes: dict, topology) -> np.ndarray:
     """Phase 2: the rank of every tile, blocks fixed at ``home`` (see module docstring)."""
     nB, n = tiles.num_blocks, tiles.num_tiles
-    block_len = tiles.block_lengths()
-    q_bytes = sum(payload_bytes(kind, block_len, **sizes) for kind in (KIND_Q, KIND_OUT, KIND_DO, KIND_DQ))
-    kv_bytes = payload_bytes(KIND_KV, block_len, **sizes) + payload_bytes(KIND_DKV, block_len, **sizes)
+    q_bytes, kv_bytes = _round_trip_bytes(tiles.block_lengths(), sizes)
     tile_vertex = nB + np.arange(n)  # vertices 0..nB-1 are the blocks
     nets = (_nets(tile_vertex, tiles.q, nB, np.arange(nB)) + _nets(tile_vertex, tiles.kv, nB, np.arange(nB)))
     weights = _scaled(np.concatenate([q_bytes, kv_bytes]), 1)

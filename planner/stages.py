@@ -233,9 +233,10 @@ def own_row_movable(q: np.ndarray, kv: np.ndarray, stage: np.ndarray, rank: np.n
     anchor = np.zeros(q.size, dtype=bool)
     if idx.size:
         # per (rank, kv-block) the tile in its earliest stage (ties: the first) keeps the block's arrival
-        key = (rank[idx] * (int(kv.max()) + 1) + kv[idx]) * (int(stage.max()) + 1) + stage[idx]
+        span = int(kv.max()) + 1
+        key = (rank[idx] * span + kv[idx]) * (int(stage.max()) + 1) + stage[idx]
         by = idx[np.argsort(key, kind="stable")]
-        group = rank[by] * (int(kv.max()) + 1) + kv[by]
+        group = rank[by] * span + kv[by]
         anchor[by[run_heads(group)]] = True
     return own & ~anchor
 
@@ -454,6 +455,7 @@ class Finisher:
         self._fwd_groups = None
         self._plain_bwd = {}  # num_stages -> (class-rule backward stages, their receive groups)
         self._local_work = None
+        self._own_movable = None  # own_row_movable of the forward stages (the same under every relay table)
 
     def _groups(self, stage: np.ndarray) -> tuple:
         """(q, kv) ``receive_groups`` of the remote inputs under per-tile ``stage``."""
@@ -508,8 +510,10 @@ class Finisher:
             # moving local tiles between stages changes no transfer, so the schedule stays valid
             if spread_forward:
                 extra = max_stages is not None and num_stages <= max_stages
-                stage = spread_own_rows(stage, compute, rank, own_row_movable(tiles.q, tiles.kv, stage, rank, home),
-                                        comm["fwd"], world_size=P, num_stages=num_stages, extra_stage=extra)
+                if self._own_movable is None:
+                    self._own_movable = own_row_movable(tiles.q, tiles.kv, stage, rank, home)
+                stage = spread_own_rows(stage, compute, rank, self._own_movable, comm["fwd"], world_size=P,
+                                        num_stages=num_stages, extra_stage=extra)
                 stage = spread_local_tiles(stage, compute * cost_model.fwd_rate, rank, self.local, comm["fwd"],
                                            world_size=P, num_stages=num_stages, fwd_rate=cost_model.fwd_rate,
                                            extra_stage=extra)
