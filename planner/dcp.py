@@ -64,7 +64,9 @@ node's blocks that other nodes read dealt over its ranks, and from the homes of 
 every first-pass finalist), refined alike; its finalists within ``RECHECK`` of the fastest go to
 full resolution and get their transit relays before they are compared, and the fastest plan is kept.
 Batches with many tiles are planned on merged blocks (``coarsen``) and mapped back, which keeps
-planning time near-linear in the batch.
+planning time near-linear in the batch. Last, the kept plan's backward defers whole remote-KV groups
+out of stage 0 into the stages whose exchanges it leaves exposed, where faster
+(``with_deferred_backward``; not for a large one-node batch planned on merged blocks).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ from .cost_model import CostModel
 from .placement import Placement, balanced_bounds, prefix_sums, runs_to_home
 from .relay import add_relays, add_transit
 from .schedule import KIND_KV, payload_bytes, row_bytes
-from .stages import assign_stages, finish_placement
+from .stages import Finisher, assign_stages, defer_backward_groups, finish_placement
 from .tiles import TileSet, coarsen
 
 CUT_SLACK = 0.03  # a run boundary may move by up to 3% of a run to find a cheaper cut
@@ -302,9 +304,50 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     """DCP placement (see module docstring). ``init`` forces one initial data placement ("contiguous",
     "hierarchical", "hierarchical-fcp", "zigzag", "fcp", "fcp-docs", "dealt", "dealt-nodes"); by default
     the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in turn and the fastest (simulated
-    fwd + bwd time) is kept."""
+    fwd + bwd time) is kept. The kept plan's backward then defers remote-KV groups into the stages its
+    transfers leave exposed, where faster (``with_deferred_backward``)."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
+    placement = _dcp_selected(tiles, world_size, cost_model, max_stages, sizes, init)
+    if placement.sim_time is None and world_size <= cost_model.topology.ranks_per_node:
+        return placement  # a large batch on one node, planned on merged blocks: NVLink-bound (see _dcp_selected)
+    return with_deferred_backward(tiles, placement, world_size, cost_model, sizes)
+
+
+def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel,
+                           sizes: dict) -> Placement:
+    """``placement`` scored, restaged in the backward by ``Finisher.finish(defer_backward=True)`` where
+    faster: after the candidates are compared, as it costs up to DEFER_ROUNDS schedule derivations.
+    Skipped where the plan takes no longer than its busiest rank's compute, or (one cheap pass over the
+    backward's exchanges) where no rank has an exposed exchange and a stage 0 to spare. Evaluation
+    cases, fwd + bwd over the bound (fp32 partials; no plan slower): 16 / 4 1.117 -> 1.088, 32 / 8
+    1.324 -> 1.200, 32 (32) 1.086 -> 1.059, 16 / 8 1.045 -> 1.038."""
+    placement = _scored(tiles, placement, world_size, cost_model, sizes)
+    stage_bwd, sched = placement.tile_stage_bwd, placement.schedule
+    num_stages = sched.num_stages
+    if num_stages < 3 or world_size == 1:
+        return placement
+    compute = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
+    compute_bwd = compute / cost_model.fwd_rate * cost_model.bwd_flops_factor
+    busiest = np.bincount(placement.tile_rank, weights=compute, minlength=world_size).max() / cost_model.fwd_rate
+    if placement.sim_time <= (1 + cost_model.bwd_flops_factor) * busiest * (1 + 1e-3):
+        return placement  # no transfer exposed anywhere that matters
+    load = np.bincount(placement.tile_rank * num_stages + stage_bwd, weights=compute_bwd,
+                       minlength=world_size * num_stages).reshape(world_size, num_stages)
+    table = sched.table("bwd").numpy().astype(np.int64)
+    comm = cost_model.stage_comm_time(table, row_bytes(table, tiles.block_lengths(), **sizes), world_size, num_stages)
+    if all(defer_backward_groups(stage_bwd, tiles.kv, placement.tile_rank, placement.block_home, compute_bwd, load,
+                                 comm, largest_first=largest_first) is stage_bwd for largest_first in (False, True)):
+        return placement
+    deferred = Finisher(tiles, placement.block_home, placement.tile_rank, placement.tile_stage, world_size=world_size,
+                        cost_model=cost_model, sizes=sizes).finish(placement.kv_relay, spread_forward=False,
+                                                                   defer_backward=True)
+    return deferred if deferred.sim_time < placement.sim_time else placement
+
+
+def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
+                  init: str | None) -> Placement:
+    """dcp's plan before ``with_deferred_backward``: the candidates planned, compared and refined."""
     one_node = world_size <= cost_model.topology.ranks_per_node
     bound = _lower_bound(tiles, world_size, cost_model, sizes)
     transit = not one_node and init is None

@@ -23,6 +23,13 @@ from .cost_model import CostModel
 from .placement import Placement, compact_stages, first_occurrence, prefix_sums, run_heads
 from .schedule import KIND_KV, KIND_Q, input_groups, payload_bytes, row_bytes, schedule_from_groups
 
+# ``defer_backward_groups``: the share of each exposed backward gap a rank's deferred groups fill, and
+# the rounds tried (each kept only where faster). Over the 57 multi-node evaluation cases (fp32
+# partials) a share of 1.0 instead of 0.5 made 12 plans slower for a geomean 0.4% faster, and rounds
+# 5-8 changed 7 plans by <= 0.5%.
+DEFER_SHARE = 0.5
+DEFER_ROUNDS = 4
+
 
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
                   block_size: int, total_len: int, world_size: int, cost_model: CostModel, max_stages: int,
@@ -323,6 +330,56 @@ def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank
     return stage
 
 
+def defer_backward_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,
+                          compute: np.ndarray, load: np.ndarray, comm_time: np.ndarray, *,
+                          share: float = DEFER_SHARE, largest_first: bool = False) -> np.ndarray:
+    """Backward stages with whole (rank, kv-block) groups of stage-0 tiles that read remote KV moved to
+    the stages 1 .. S-2 whose exchanges are exposed: a home computes most of its backward in stage 0
+    (its rows' dK/dV partials leave in exchange 1), then idles while its helpers' partials and the dO
+    its stage-1 tiles wait for arrive. Each rank fills ``share`` of each exposed gap, earliest first,
+    while its stage-0 surplus over exchange 0 lasts, with its groups of the latest kv-blocks first (or,
+    ``largest_first``, its groups of the most compute, which send the fewest partials per second moved);
+    a moved group's partial leaves one exchange after its new stage, which the next stage's compute
+    then has to hide, hence only a share.
+
+    ``stage``: backward stages (only tiles with remote KV move, so local tiles may be in their
+    class-rule stage or spread); ``compute``: per-tile backward seconds; ``load`` [P, S]: the backward
+    seconds per rank and stage the gaps are measured against (local tiles spread); ``comm_time``
+    [P, S + 1]: the backward's transfer time per exchange. Returns ``stage`` itself when nothing moves."""
+    P, S = load.shape
+    nB = home.size
+    if S < 3:
+        return stage
+    gaps = np.maximum(0.0, comm_time[:, 1:S - 1] - load[:, 1:S - 1])  # stage j overlaps exchange j
+    surplus = np.maximum(0.0, load[:, 0] - comm_time[:, 0])
+    upto = np.minimum(np.cumsum(share * gaps, axis=1), surplus[:, None])  # [P, S - 2] work placed up to stage j
+    movable = (stage == 0) & (home[kv] != rank) & (upto[rank, -1] > 0)
+    if not movable.any():
+        return stage
+    idx = np.flatnonzero(movable)
+    key = rank[idx] * nB + (nB - 1 - kv[idx])  # per rank, latest kv-block first
+    groups, of_tile = _dense_unique(key)
+    group_rank = groups // nB
+    group_c = np.bincount(of_tile, weights=compute[idx], minlength=groups.size)
+    if largest_first:
+        order = np.lexsort((-group_c, group_rank))
+        end = np.empty_like(group_c)
+        end[order] = _grouped_cumsum(group_rank[order], group_c[order])
+    else:
+        end = _grouped_cumsum(group_rank, group_c)
+    # a group goes to the first stage j whose cumulative room reaches its end (as in ``_pour``)
+    F = S - 2
+    shift = 2.0 * float(max(end.max(), upto.max())) + 1.0
+    flat = (upto + shift * np.arange(P)[:, None]).ravel()
+    j = np.searchsorted(flat, end + shift * group_rank, side="left") - group_rank * F
+    moved = (j < F)[of_tile]
+    if not moved.any():
+        return stage
+    out = stage.copy()
+    out[idx[moved]] = 1 + j[of_tile][moved]
+    return out
+
+
 def choose_backward_staging(plain: np.ndarray, plain_transfers: tuple, derive, time_of, *, q: np.ndarray,
                             kv: np.ndarray, rank: np.ndarray, home: np.ndarray, compute: np.ndarray, world_size: int,
                             num_stages: int) -> tuple:
@@ -493,9 +550,35 @@ class Finisher:
                                                               self.P, sched.num_stages)
         return comm
 
+    def _deferred_backward(self, unspread: np.ndarray, spread: np.ndarray, sched, comm: dict, derive, spread_and_time,
+                           num_stages: int) -> tuple:
+        """(backward stages, schedule, comm) after up to DEFER_ROUNDS rounds of ``defer_backward_groups``;
+        each round tries both group orders and keeps the faster, if the backward then simulates faster
+        (the first round that does not gain ends it)."""
+        best = spread_and_time(unspread, comm["bwd"])[1]
+        for _ in range(DEFER_ROUNDS):
+            load = np.bincount(self.rank * num_stages + spread, weights=self.compute_bwd,
+                               minlength=self.P * num_stages).reshape(self.P, num_stages)
+            tried, found = [], None
+            for largest_first in (False, True):
+                cand = defer_backward_groups(unspread, self.tiles.kv, self.rank, self.home, self.compute_bwd, load,
+                                             comm["bwd"], largest_first=largest_first)
+                if cand is unspread or any(np.array_equal(cand, other) for other in tried):
+                    continue
+                tried.append(cand)
+                (cand_sched, cand_comm), _ = derive(cand)
+                cand_spread, cand_time = spread_and_time(cand, cand_comm["bwd"])
+                if cand_time < (best if found is None else found[-1]):
+                    found = (cand, cand_spread, cand_sched, cand_comm, cand_time)
+            if found is None:
+                break
+            unspread, spread, sched, comm, best = found
+        return spread, sched, comm
+
     def finish(self, kv_relay=None, *, spread_forward: bool = True, max_stages: int | None = None,
-               score: bool = True) -> Placement:
-        """The completed Placement under ``kv_relay`` (see ``finish_placement``)."""
+               score: bool = True, defer_backward: bool = False) -> Placement:
+        """The completed Placement under ``kv_relay`` (see ``finish_placement``); ``defer_backward``: the
+        backward's remote-KV groups also deferred into exposed stages where faster (``_deferred_backward``)."""
         tiles, home, rank, P, cost_model = self.tiles, self.home, self.rank, self.P, self.cost_model
         stage, num_stages = self.stage, self.num_stages
         directions = ("fwd", "bwd") if score or spread_forward else ("bwd",)
@@ -541,9 +624,12 @@ class Finisher:
                 split_comm = self._comm(split_sched, directions)
                 return (split_sched, split_comm), split_comm["bwd"]
 
-            _, stage_bwd, (sched, comm), _ = choose_backward_staging(
+            unspread, stage_bwd, (sched, comm), _ = choose_backward_staging(
                 stage_bwd, ((sched, comm), comm["bwd"]), derive, spread_and_time, q=tiles.q, kv=tiles.kv,
                 rank=rank, home=home, compute=compute_bwd, world_size=P, num_stages=num_stages)
+            if defer_backward:
+                stage_bwd, sched, comm = self._deferred_backward(unspread, stage_bwd, sched, comm, derive,
+                                                                 spread_and_time, num_stages)
 
         def per_stage(st):
             return np.bincount(rank * num_stages + st, weights=compute, minlength=P * num_stages).reshape(P, num_stages)
