@@ -24,9 +24,9 @@ from .placement import Placement, compact_stages, first_occurrence, prefix_sums,
 from .schedule import KIND_KV, KIND_Q, input_groups, payload_bytes, row_bytes, schedule_from_groups
 
 # ``defer_backward_groups``: the share of each exposed backward gap a rank's deferred groups fill, and
-# the rounds tried (each kept only where faster). Over the 57 multi-node evaluation cases (fp32
-# partials) a share of 1.0 instead of 0.5 made 12 plans slower for a geomean 0.4% faster, and rounds
-# 5-8 changed 7 plans by <= 0.5%.
+# the rounds tried per phase (each kept only where faster). Over the 57 multi-node evaluation cases
+# (fp32 partials) a share of 1.0 instead of 0.5 made 12 plans slower for a geomean 0.4% faster, and
+# rounds 5-8 changed 7 plans by <= 0.5%.
 DEFER_SHARE = 0.5
 DEFER_ROUNDS = 4
 
@@ -332,7 +332,8 @@ def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank
 
 def defer_backward_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,
                           compute: np.ndarray, load: np.ndarray, comm_time: np.ndarray, *,
-                          share: float = DEFER_SHARE, largest_first: bool = False) -> np.ndarray:
+                          share: float = DEFER_SHARE, largest_first: bool = False,
+                          into_last: bool = False) -> np.ndarray:
     """Backward stages with whole (rank, kv-block) groups of stage-0 tiles that read remote KV moved to
     the stages 1 .. S-2 whose exchanges are exposed: a home computes most of its backward in stage 0
     (its rows' dK/dV partials leave in exchange 1), then idles while its helpers' partials and the dO
@@ -340,7 +341,8 @@ def defer_backward_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, h
     while its stage-0 surplus over exchange 0 lasts, with its groups of the latest kv-blocks first (or,
     ``largest_first``, its groups of the most compute, which send the fewest partials per second moved);
     a moved group's partial leaves one exchange after its new stage, which the next stage's compute
-    then has to hide, hence only a share.
+    then has to hide, hence only a share. ``into_last``: stage S-1 may take groups too, whose partials
+    then leave after all compute (where its exchange's gap is the larger cost).
 
     ``stage``: backward stages (only tiles with remote KV move, so local tiles may be in their
     class-rule stage or spread); ``compute``: per-tile backward seconds; ``load`` [P, S]: the backward
@@ -350,9 +352,10 @@ def defer_backward_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, h
     nB = home.size
     if S < 3:
         return stage
-    gaps = np.maximum(0.0, comm_time[:, 1:S - 1] - load[:, 1:S - 1])  # stage j overlaps exchange j
+    top = S if into_last else S - 1  # stages 1 .. top - 1 take groups
+    gaps = np.maximum(0.0, comm_time[:, 1:top] - load[:, 1:top])  # stage j overlaps exchange j
     surplus = np.maximum(0.0, load[:, 0] - comm_time[:, 0])
-    upto = np.minimum(np.cumsum(share * gaps, axis=1), surplus[:, None])  # [P, S - 2] work placed up to stage j
+    upto = np.minimum(np.cumsum(share * gaps, axis=1), surplus[:, None])  # [P, top - 1] work placed up to stage j
     movable = (stage == 0) & (home[kv] != rank) & (upto[rank, -1] > 0)
     if not movable.any():
         return stage
@@ -368,7 +371,7 @@ def defer_backward_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, h
     else:
         end = _grouped_cumsum(group_rank, group_c)
     # a group goes to the first stage j whose cumulative room reaches its end (as in ``_pour``)
-    F = S - 2
+    F = top - 1
     shift = 2.0 * float(max(end.max(), upto.max())) + 1.0
     flat = (upto + shift * np.arange(P)[:, None]).ravel()
     j = np.searchsorted(flat, end + shift * group_rank, side="left") - group_rank * F
@@ -552,27 +555,29 @@ class Finisher:
 
     def _deferred_backward(self, unspread: np.ndarray, spread: np.ndarray, sched, comm: dict, derive, spread_and_time,
                            num_stages: int) -> tuple:
-        """(backward stages, schedule, comm) after up to DEFER_ROUNDS rounds of ``defer_backward_groups``;
-        each round tries both group orders and keeps the faster, if the backward then simulates faster
-        (the first round that does not gain ends it)."""
+        """(backward stages, schedule, comm) after rounds of ``defer_backward_groups``: up to DEFER_ROUNDS
+        into the stages before the last, then up to DEFER_ROUNDS into the last one too. Each round
+        tries both group orders and keeps the faster, if the backward then simulates faster (the first
+        round that does not gain ends a phase)."""
         best = spread_and_time(unspread, comm["bwd"])[1]
-        for _ in range(DEFER_ROUNDS):
-            load = np.bincount(self.rank * num_stages + spread, weights=self.compute_bwd,
-                               minlength=self.P * num_stages).reshape(self.P, num_stages)
-            tried, found = [], None
-            for largest_first in (False, True):
-                cand = defer_backward_groups(unspread, self.tiles.kv, self.rank, self.home, self.compute_bwd, load,
-                                             comm["bwd"], largest_first=largest_first)
-                if cand is unspread or any(np.array_equal(cand, other) for other in tried):
-                    continue
-                tried.append(cand)
-                (cand_sched, cand_comm), _ = derive(cand)
-                cand_spread, cand_time = spread_and_time(cand, cand_comm["bwd"])
-                if cand_time < (best if found is None else found[-1]):
-                    found = (cand, cand_spread, cand_sched, cand_comm, cand_time)
-            if found is None:
-                break
-            unspread, spread, sched, comm, best = found
+        for into_last in (False, True):
+            for _ in range(DEFER_ROUNDS):
+                load = np.bincount(self.rank * num_stages + spread, weights=self.compute_bwd,
+                                   minlength=self.P * num_stages).reshape(self.P, num_stages)
+                tried, found = [], None
+                for largest_first in (False, True):
+                    cand = defer_backward_groups(unspread, self.tiles.kv, self.rank, self.home, self.compute_bwd,
+                                                 load, comm["bwd"], largest_first=largest_first, into_last=into_last)
+                    if cand is unspread or any(np.array_equal(cand, other) for other in tried):
+                        continue
+                    tried.append(cand)
+                    (cand_sched, cand_comm), _ = derive(cand)
+                    cand_spread, cand_time = spread_and_time(cand, cand_comm["bwd"])
+                    if cand_time < (best if found is None else found[-1]):
+                        found = (cand, cand_spread, cand_sched, cand_comm, cand_time)
+                if found is None:
+                    break
+                unspread, spread, sched, comm, best = found
         return spread, sched, comm
 
     def finish(self, kv_relay=None, *, spread_forward: bool = True, max_stages: int | None = None,

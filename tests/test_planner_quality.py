@@ -330,7 +330,7 @@ def test_split_backward_stages_moves_whole_remote_kv_groups_within_the_gap():
 def test_defer_backward_groups_fills_exposed_gaps_with_whole_remote_kv_groups():
     # rank 0 owns q-blocks 0-1 and reads remote kv-blocks 2-5 (home 1): four groups of two tiles, all
     # in backward stage 0 (8 s); rank 1 computes one local tile. Four stages: stages 1 and 2 may take
-    # deferred groups (a group deferred to stage 3 would send its partial after the last compute).
+    # deferred groups, and stage 3 with into_last (its groups' partials leave after the last compute).
     from blockattn.planner.stages import defer_backward_groups
 
     home = np.array([0, 0, 1, 1, 1, 1])  # tiles (q, kv): (0, 2), (1, 2), (0, 3), ... (1, 5), then (2, 2)
@@ -351,6 +351,12 @@ def test_defer_backward_groups_fills_exposed_gaps_with_whole_remote_kv_groups():
     assert new.tolist() == [0, 0, 0, 0, 2, 2, 1, 1, 2]
     # stage 0's surplus over its own exchange bounds what leaves it (8 - 7 = 1 s: no whole group)
     assert deferred([[7.0, 0.0, 6.0, 0.0, 0.0], [0.0] * 5]) is stage
+    # only the last stage's exchange exposed: a group goes there only with into_last (its partial then
+    # leaves after all compute)
+    late = np.array([[0.0, 0.0, 0.0, 6.0, 0.0], [0.0] * 5])
+    assert deferred(late.tolist()) is stage
+    new = defer_backward_groups(stage, kv, rank, home, compute, load, late, into_last=True)
+    assert new.tolist() == [0, 0, 0, 0, 0, 0, 3, 3, 2]
     # largest_first: the group of the most compute goes first (kv-block 2 here, 2 x 1.5 s)
     heavy = np.where(kv == 2, 1.5, 1.0)
     new = defer_backward_groups(stage, kv, rank, home, heavy, load, np.array([[0.0, 0.0, 6.0, 0.0, 0.0], [0.0] * 5]),
