@@ -78,7 +78,7 @@ from .cost_model import CostModel
 from .placement import Placement, balanced_bounds, prefix_sums, runs_to_home
 from .relay import add_relays, add_transit
 from .schedule import KIND_KV, payload_bytes, row_bytes
-from .stages import Finisher, assign_stages, defer_backward_groups, finish_placement
+from .stages import Finisher, assign_stages, finish_placement
 from .tiles import TileSet, coarsen
 
 CUT_SLACK = 0.03  # a run boundary may move by up to 3% of a run to find a cheaper cut
@@ -316,35 +316,21 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
 
 def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel,
                            sizes: dict) -> Placement:
-    """``placement`` scored, restaged in the backward by ``Finisher.finish(defer_backward=True)`` where
-    faster: after the candidates are compared, as it costs up to DEFER_ROUNDS schedule derivations.
-    Skipped where the plan takes no longer than its busiest rank's compute, or (one cheap pass over the
-    backward's exchanges) where no rank has an exposed exchange and a stage 0 to spare. Evaluation
-    cases, fwd + bwd over the bound, fp32 partials (51 of 95 plans faster, none slower): 16 / 4 1.117 ->
-    1.081, 32 / 8 1.324 -> 1.186, 32 (32) 1.086 -> 1.057, 16 / 8 1.045 -> 1.036; bf16 partials (24 of 76
-    faster, none slower): 32 / 8 1.193 -> 1.156."""
+    """``placement`` scored, its backward restaged by ``Finisher.deferred`` where faster: after the
+    candidates are compared, as it costs up to 4 * DEFER_ROUNDS backward schedule derivations. Skipped
+    where the plan takes no longer than its busiest rank's compute. Evaluation cases, fwd + bwd over
+    the bound, fp32 partials (51 of 95 plans faster, none slower): 16 / 4 1.117 -> 1.081, 32 / 8
+    1.324 -> 1.186, 32 (32) 1.086 -> 1.057, 16 / 8 1.045 -> 1.036; bf16 partials (24 of 76 faster,
+    none slower): 32 / 8 1.193 -> 1.156."""
     placement = _scored(tiles, placement, world_size, cost_model, sizes)
-    stage_bwd, sched = placement.tile_stage_bwd, placement.schedule
-    num_stages = sched.num_stages
-    if num_stages < 3 or world_size == 1:
+    if world_size == 1:
         return placement
-    compute = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
-    compute_bwd = compute / cost_model.fwd_rate * cost_model.bwd_flops_factor
-    busiest = np.bincount(placement.tile_rank, weights=compute, minlength=world_size).max() / cost_model.fwd_rate
+    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
+    busiest = np.bincount(placement.tile_rank, weights=flops, minlength=world_size).max() / cost_model.fwd_rate
     if placement.sim_time <= (1 + cost_model.bwd_flops_factor) * busiest * (1 + 1e-3):
         return placement  # no transfer exposed anywhere that matters
-    load = np.bincount(placement.tile_rank * num_stages + stage_bwd, weights=compute_bwd,
-                       minlength=world_size * num_stages).reshape(world_size, num_stages)
-    table = sched.table("bwd").numpy().astype(np.int64)
-    comm = cost_model.stage_comm_time(table, row_bytes(table, tiles.block_lengths(), **sizes), world_size, num_stages)
-    if all(defer_backward_groups(stage_bwd, tiles.kv, placement.tile_rank, placement.block_home, compute_bwd, load,
-                                 comm, largest_first=largest_first, into_last=True) is stage_bwd
-           for largest_first in (False, True)):
-        return placement
-    deferred = Finisher(tiles, placement.block_home, placement.tile_rank, placement.tile_stage, world_size=world_size,
-                        cost_model=cost_model, sizes=sizes).finish(placement.kv_relay, spread_forward=False,
-                                                                   defer_backward=True)
-    return deferred if deferred.sim_time < placement.sim_time else placement
+    return Finisher(tiles, placement.block_home, placement.tile_rank, placement.tile_stage, world_size=world_size,
+                    cost_model=cost_model, sizes=sizes).deferred(placement)
 
 
 def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,

@@ -21,7 +21,8 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages, first_occurrence, prefix_sums, run_heads
-from .schedule import KIND_KV, KIND_Q, input_groups, payload_bytes, row_bytes, schedule_from_groups
+from .schedule import (KIND_KV, KIND_Q, input_groups, payload_bytes, row_bytes, schedule_from_groups,
+                       schedule_rows)
 
 # ``defer_backward_groups``: the share of each exposed backward gap a rank's deferred groups fill, and
 # the rounds tried per phase (each kept only where faster). Over the 57 multi-node evaluation cases
@@ -553,37 +554,79 @@ class Finisher:
                                                               self.P, sched.num_stages)
         return comm
 
-    def _deferred_backward(self, unspread: np.ndarray, spread: np.ndarray, sched, comm: dict, derive, spread_and_time,
-                           num_stages: int) -> tuple:
-        """(backward stages, schedule, comm) after rounds of ``defer_backward_groups``: up to DEFER_ROUNDS
-        into the stages before the last, then up to DEFER_ROUNDS into the last one too. Each round
-        tries both group orders and keeps the faster, if the backward then simulates faster (the first
-        round that does not gain ends a phase)."""
-        best = spread_and_time(unspread, comm["bwd"])[1]
+    def _backward_time(self, stage_bwd: np.ndarray, comm_bwd: np.ndarray, num_stages: int) -> tuple:
+        """``backward_time`` of ``stage_bwd`` (local tiles in their class-rule stage) under ``comm_bwd``."""
+        if self._local_work is None:
+            self._local_work = local_work(local_tiles_by_rank(self.rank, self.local), self.rank, self.compute_bwd,
+                                          self.P)
+        return backward_time(stage_bwd, self.compute_bwd, self.rank, self._local_work, comm_bwd, world_size=self.P,
+                             num_stages=num_stages, cost_model=self.cost_model)
+
+    def _backward_transfers(self, kv_relay, num_stages: int, stage_bwd: np.ndarray) -> tuple:
+        """(receive groups, transfer time [P, S + 1]) of the backward under ``stage_bwd``, from the
+        schedule's unsorted rows: the costs are sums per rank and exchange, so no wire order is needed."""
+        groups = self._groups(stage_bwd)
+        _, rows = schedule_rows(self.home, *self._forward_groups(), num_blocks=self.tiles.num_blocks,
+                                num_stages=num_stages, kv_relay=kv_relay, bwd_groups=groups)
+        nbytes = row_bytes(rows, self.block_len, **self.sizes)
+        return groups, self.cost_model.stage_comm_time(rows, nbytes, self.P, num_stages)
+
+    def deferred(self, placement: Placement) -> Placement:
+        """``placement`` (finished from this Finisher's homes, ranks and forward stages) with its backward
+        restaged by rounds of ``defer_backward_groups``: up to DEFER_ROUNDS into the stages before the
+        last, then up to DEFER_ROUNDS into the last one too. Each round tries both group orders and
+        keeps the faster, if the backward then simulates faster (the first round that does not gain
+        ends a phase). ``placement`` itself unless the result is faster."""
+        sched, kv_relay = placement.schedule, placement.kv_relay
+        S = sched.num_stages
+        if S < 3 or not np.array_equal(self.stage, placement.tile_stage):
+            return placement
+        # From the class-rule staging chosen anew under this placement's relays (a relay variant keeps
+        # the backward stages chosen for the placement without relays). Starting from the placement's
+        # own staging instead ends slower as often as not: 9 of 57 multi-node evaluation plans 0.1-1.7%
+        # slower, 2 faster.
+        plain = self._plain_backward(S)[0]
+        unspread, spread, groups, comm = choose_backward_staging(
+            plain, self._backward_transfers(kv_relay, S, plain), lambda st: self._backward_transfers(kv_relay, S, st),
+            lambda st, c: self._backward_time(st, c, S), q=self.tiles.q, kv=self.tiles.kv, rank=self.rank,
+            home=self.home, compute=self.compute_bwd, world_size=self.P, num_stages=S)
+        best = self._backward_time(unspread, comm, S)[1]
         for into_last in (False, True):
             for _ in range(DEFER_ROUNDS):
-                load = np.bincount(self.rank * num_stages + spread, weights=self.compute_bwd,
-                                   minlength=self.P * num_stages).reshape(self.P, num_stages)
+                load = np.bincount(self.rank * S + spread, weights=self.compute_bwd,
+                                   minlength=self.P * S).reshape(self.P, S)
                 tried, found = [], None
                 for largest_first in (False, True):
                     cand = defer_backward_groups(unspread, self.tiles.kv, self.rank, self.home, self.compute_bwd,
-                                                 load, comm["bwd"], largest_first=largest_first, into_last=into_last)
+                                                 load, comm, largest_first=largest_first, into_last=into_last)
                     if cand is unspread or any(np.array_equal(cand, other) for other in tried):
                         continue
                     tried.append(cand)
-                    (cand_sched, cand_comm), _ = derive(cand)
-                    cand_spread, cand_time = spread_and_time(cand, cand_comm["bwd"])
-                    if cand_time < (best if found is None else found[-1]):
-                        found = (cand, cand_spread, cand_sched, cand_comm, cand_time)
+                    cand_groups, cand_comm = self._backward_transfers(kv_relay, S, cand)
+                    cand_spread, cand_time = self._backward_time(cand, cand_comm, S)
+                    # (a relative margin: these costs sum the rows in another order than the schedule's)
+                    if cand_time < (best if found is None else found[-1]) * (1 - 1e-9):
+                        found = (cand, cand_spread, cand_groups, cand_comm, cand_time)
                 if found is None:
                     break
-                unspread, spread, sched, comm, best = found
-        return spread, sched, comm
+                unspread, spread, groups, comm, best = found
+        sched = schedule_from_groups(self.home, *self._forward_groups(), num_blocks=self.tiles.num_blocks,
+                                     num_stages=S, world_size=self.P, kv_relay=kv_relay, bwd_groups=groups)
+        comm = self._comm(sched, ("fwd", "bwd"))
+
+        def per_stage(stage):
+            return np.bincount(self.rank * S + stage, weights=self.compute, minlength=self.P * S).reshape(self.P, S)
+
+        fwd, bwd = self.cost_model.step_times(per_stage(placement.tile_stage), comm["fwd"], comm["bwd"],
+                                              per_stage(spread))
+        sim_time = float(fwd.max() + bwd.max())
+        if sim_time >= placement.sim_time:
+            return placement
+        return replace(placement, schedule=sched, tile_stage_bwd=spread, sim_time=sim_time)
 
     def finish(self, kv_relay=None, *, spread_forward: bool = True, max_stages: int | None = None,
-               score: bool = True, defer_backward: bool = False) -> Placement:
-        """The completed Placement under ``kv_relay`` (see ``finish_placement``); ``defer_backward``: the
-        backward's remote-KV groups also deferred into exposed stages where faster (``_deferred_backward``)."""
+               score: bool = True) -> Placement:
+        """The completed Placement under ``kv_relay`` (see ``finish_placement``)."""
         tiles, home, rank, P, cost_model = self.tiles, self.home, self.rank, self.P, self.cost_model
         stage, num_stages = self.stage, self.num_stages
         directions = ("fwd", "bwd") if score or spread_forward else ("bwd",)
@@ -629,12 +672,9 @@ class Finisher:
                 split_comm = self._comm(split_sched, directions)
                 return (split_sched, split_comm), split_comm["bwd"]
 
-            unspread, stage_bwd, (sched, comm), _ = choose_backward_staging(
+            _, stage_bwd, (sched, comm), _ = choose_backward_staging(
                 stage_bwd, ((sched, comm), comm["bwd"]), derive, spread_and_time, q=tiles.q, kv=tiles.kv,
                 rank=rank, home=home, compute=compute_bwd, world_size=P, num_stages=num_stages)
-            if defer_backward:
-                stage_bwd, sched, comm = self._deferred_backward(unspread, stage_bwd, sched, comm, derive,
-                                                                 spread_and_time, num_stages)
 
         def per_stage(st):
             return np.bincount(rank * num_stages + st, weights=compute, minlength=P * num_stages).reshape(P, num_stages)
