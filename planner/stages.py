@@ -305,6 +305,19 @@ def backward_stages(q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.nd
     return np.where(remote_q, min(1, last), np.where(remote_kv, 0, min(2, last))).astype(np.int64)
 
 
+def _stage0_remote_kv_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,
+                             compute: np.ndarray, ranks: np.ndarray):
+    """The whole (rank, kv-block) groups of backward stage-0 tiles reading remote KV, on the ``ranks``
+    flagged ([P] bool): (tile indices, each tile's group, each group's rank, each group's seconds),
+    groups ordered per rank with the latest kv-block first; None when there is none."""
+    nB = home.size
+    idx = np.flatnonzero((stage == 0) & (home[kv] != rank) & ranks[rank])
+    if idx.size == 0:
+        return None
+    groups, of_tile = _dense_unique(rank[idx] * nB + (nB - 1 - kv[idx]))
+    return idx, of_tile, groups // nB, np.bincount(of_tile, weights=compute[idx], minlength=groups.size)
+
+
 def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,
                           compute: np.ndarray, comm_time: np.ndarray, *, world_size: int, num_stages: int) -> np.ndarray:
     """``backward_stages`` refined where a rank's exchange 1 (the dK/dV partials of its stage-0 tiles,
@@ -312,19 +325,15 @@ def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank
     groups of stage-0 tiles, latest kv-blocks first, move to stage 1 - up to half the smaller of gap
     and surplus, since each moved group's partial also moves on to exchange 2. ``compute``: per-tile
     backward seconds; ``comm_time`` [P, S + 1]: backward transfer time per exchange."""
-    S, P, nB = num_stages, world_size, home.size
+    S, P = num_stages, world_size
     if S < 3:
         return stage
     per_stage = np.bincount(rank * S + stage, weights=compute, minlength=P * S).reshape(P, S)
     take = np.minimum(comm_time[:, 1] - per_stage[:, 1], per_stage[:, 0] - comm_time[:, 0]) / 2
-    movable = (stage == 0) & (home[kv] != rank) & (take[rank] > 0)
-    if not movable.any():
+    found = _stage0_remote_kv_groups(stage, kv, rank, home, compute, take > 0)
+    if found is None:
         return stage
-    idx = np.flatnonzero(movable)
-    key = rank[idx] * nB + (nB - 1 - kv[idx])  # per rank, latest kv-block first
-    groups, of_tile = _dense_unique(key)
-    group_rank = groups // nB
-    group_c = np.bincount(of_tile, weights=compute[idx], minlength=groups.size)
+    idx, of_tile, group_rank, group_c = found
     chosen = _grouped_cumsum(group_rank, group_c) <= take[group_rank]
     stage = stage.copy()
     stage[idx[chosen[of_tile]]] = 1
@@ -350,21 +359,16 @@ def defer_backward_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, h
     seconds per rank and stage the gaps are measured against (local tiles spread); ``comm_time``
     [P, S + 1]: the backward's transfer time per exchange. Returns ``stage`` itself when nothing moves."""
     P, S = load.shape
-    nB = home.size
     if S < 3:
         return stage
     top = S if into_last else S - 1  # stages 1 .. top - 1 take groups
     gaps = np.maximum(0.0, comm_time[:, 1:top] - load[:, 1:top])  # stage j overlaps exchange j
     surplus = np.maximum(0.0, load[:, 0] - comm_time[:, 0])
     upto = np.minimum(np.cumsum(share * gaps, axis=1), surplus[:, None])  # [P, top - 1] work placed up to stage j
-    movable = (stage == 0) & (home[kv] != rank) & (upto[rank, -1] > 0)
-    if not movable.any():
+    found = _stage0_remote_kv_groups(stage, kv, rank, home, compute, upto[:, -1] > 0)
+    if found is None:
         return stage
-    idx = np.flatnonzero(movable)
-    key = rank[idx] * nB + (nB - 1 - kv[idx])  # per rank, latest kv-block first
-    groups, of_tile = _dense_unique(key)
-    group_rank = groups // nB
-    group_c = np.bincount(of_tile, weights=compute[idx], minlength=groups.size)
+    idx, of_tile, group_rank, group_c = found
     if largest_first:
         order = np.lexsort((-group_c, group_rank))
         end = np.empty_like(group_c)
