@@ -71,6 +71,8 @@ out of stage 0 into the stages whose exchanges it leaves exposed, where faster
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .balance import Balancer, pushed_rows
@@ -168,6 +170,20 @@ RECHECK = 1.10
 # free NIC time that the next pass's can use (over the benchmark cases 3 passes equal 6; a second pass
 # gained 0.2-0.9% on six of 57 multi-node cases, none lost).
 TRANSIT_PASSES = 3
+# Several nodes, a plan still slower than NIC_SHY_FROM x the bound after its backward deferral: the
+# kept plan's homes balanced again by a Balancer that sees the inter-node bandwidth scaled by each of
+# NIC_SHY_SCALES (NIC transfers priced 1.33x and 2x), refined, transit-relayed and deferred alike; the
+# fastest in the cost model is kept. The balancer's max(compute, transfers) estimate is optimistic where
+# the staged execution cannot hide a transfer (the first exchange, per-exchange latency), so it sheds
+# more across nodes than pays on small batches; scaling every balancer's NIC instead loses as often as
+# it gains (evaluation cases, 32 / 8: x0.75 1.1860 -> 1.1864; x1.5, priced cheaper, 1.2350). The pass, fwd+bwd
+# over the bound, evaluation cases, none slower: 32 / 8 1.1860 -> 1.1676 (fp32 partials, 11 of 19
+# faster; 0.75 alone 1.1729, 0.5 alone 1.1715, adding 0.3 1.1656), bf16 1.1564 -> 1.1352; 16 / 8
+# 1.0355 -> 1.0305; 16 / 4 1.0807 -> 1.0779. 1M / 64 (the bench batch): 1.193 -> 1.150 (fp32),
+# 1.146 -> 1.102 (bf16), for ~1 s more planning (+60%); +23% on the 32 / 8 cases. Comparing the
+# candidates before their deferral instead lost gains (one won at 1.10x the kept plan's time before it).
+NIC_SHY_SCALES = (0.75, 0.5)
+NIC_SHY_FROM = 1.10
 # A q-row with more than HOT_ROW times the mean row's pairs, read from more than HOT_SPAN of the blocks, is
 # "hot" (causal_blockwise's last block reads the whole sequence): batches with hot rows also get the
 # "dealt" candidate (``dealt_home``), and on several nodes "dealt-nodes" too (the same homes, rows pushed
@@ -305,13 +321,25 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     "hierarchical", "hierarchical-fcp", "zigzag", "fcp", "fcp-docs", "dealt", "dealt-nodes"); by default
     the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in turn and the fastest (simulated
     fwd + bwd time) is kept. The kept plan's backward then defers remote-KV groups into the stages its
-    transfers leave exposed, where faster (``with_deferred_backward``)."""
+    transfers leave exposed, where faster (``with_deferred_backward``); on several nodes, a plan still
+    slower than NIC_SHY_FROM x the bound is weighed against its homes balanced with the NICs priced
+    slower (NIC_SHY_SCALES)."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
     placement = _dcp_selected(tiles, world_size, cost_model, max_stages, sizes, init)
     if placement.sim_time is None and world_size <= cost_model.topology.ranks_per_node:
         return placement  # a large batch on one node, planned on merged blocks: NVLink-bound (see _dcp_selected)
-    return with_deferred_backward(tiles, placement, world_size, cost_model, sizes)
+    result = with_deferred_backward(tiles, placement, world_size, cost_model, sizes)
+    if (init is None and world_size > cost_model.topology.ranks_per_node
+            and result.sim_time > NIC_SHY_FROM * _lower_bound(tiles, world_size, cost_model, sizes)):
+        for scale in NIC_SHY_SCALES:  # the kept homes balanced again with the NICs priced slower
+            for alt in _dcp(tiles, world_size, cost_model, max_stages, sizes, None,
+                            second_opinion=[placement.block_home], every_finalist=True, nic_scale=scale):
+                alt = with_deferred_backward(tiles, _with_transit(tiles, alt, world_size, cost_model, sizes),
+                                             world_size, cost_model, sizes)
+                if alt.sim_time < result.sim_time:
+                    result = alt
+    return result
 
 
 def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel,
@@ -416,14 +444,15 @@ def _with_transit(tiles: TileSet, placement: Placement, world_size: int, cost_mo
 
 def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
          init: str | None, relays: bool = True, second_opinion: list | None = None,
-         every_finalist: bool = False) -> Placement | list:
+         every_finalist: bool = False, nic_scale: float = 1.0) -> Placement | list:
     """dcp's placement before the baseline check and the transit relays. ``relays=False``: without
     node-level relays and the refinements that redo them (the balanced candidates alone).
     ``second_opinion`` (several nodes; a list of first plans' block homes, possibly empty): the second
     opinion, i.e. the ``SECOND_OPINION_INITS`` placements and these homes (each distinct one once)
     balanced with the homes' inter-node sends priced on their node's NICs, refined alike, and no other
     candidate. ``every_finalist``: the (refined) finalists within RECHECK of the fastest, fastest first,
-    instead of the fastest alone."""
+    instead of the fastest alone. ``nic_scale`` != 1 (with ``second_opinion``): only the given homes,
+    balanced by a Balancer that sees the inter-node bandwidth times ``nic_scale`` (NIC_SHY_SCALES)."""
     factor = coarsening_factor(tiles, world_size)
     if factor > 1:
         coarse, of_fine = coarsen(tiles, factor)
@@ -433,7 +462,8 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
             merged = [home[np.arange(coarse.num_blocks) * factor] for home in second_opinion]
             second_opinion = [coarse_home for coarse_home, home in zip(merged, second_opinion)
                               if np.array_equal(coarse_home[np.arange(tiles.num_blocks) // factor], home)]
-        plans = _dcp(coarse, world_size, cost_model, max_stages, sizes, init, relays, second_opinion, every_finalist)
+        plans = _dcp(coarse, world_size, cost_model, max_stages, sizes, init, relays, second_opinion, every_finalist,
+                     nic_scale)
         fines = []
         for plan in plans if every_finalist else [plans]:
             # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
@@ -475,12 +505,13 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     # finalists: (placement, balanced relay-aware already)
     finalists = [(placement, False) for _, _, placement in sorted(planned, key=lambda item: item[:2])[:RELAY_TOP]]
     if second_opinion is not None:
-        homes = [_initial_home(tiles, world_size, name, cost_model, sizes) for name in SECOND_OPINION_INITS]
+        homes = ([] if nic_scale != 1.0 else
+                 [_initial_home(tiles, world_size, name, cost_model, sizes) for name in SECOND_OPINION_INITS])
         for seed in second_opinion:
             if not any(np.array_equal(home, seed) for home in homes):
                 homes.append(seed)  # (the first plan's homes are often hierarchical's own)
         finalists = [(_place(tiles, world_size, None, cost_model, max_stages, sizes, home=home, relays=relays,
-                             relay_aware=True, spread_sends=True)[0], True) for home in homes]
+                             relay_aware=True, spread_sends=True, nic_scale=nic_scale)[0], True) for home in homes]
     elif multi_node and min(t for t, _, _ in planned) > good_enough:
         if relays:
             finalists = [(add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
@@ -643,11 +674,12 @@ def _scored(tiles: TileSet, placement: Placement, world_size: int, cost_model: C
 
 def _place(tiles: TileSet, world_size: int, init: str | None, cost_model: CostModel, max_stages: int,
            sizes: dict, *, relays: bool = True, home: np.ndarray | None = None,
-           relay_aware: bool = False, spread_sends: bool = False) -> tuple[Placement, float]:
+           relay_aware: bool = False, spread_sends: bool = False, nic_scale: float = 1.0) -> tuple[Placement, float]:
     """One dcp placement from an initial data placement (``init``, or with init None the given ``home``
     itself), and its simulated fwd + bwd time (with node-level KV relays where they pay, unless ``relays`` is False).
     ``relay_aware``: the balancer prices KV already on a target's node as NVLink traffic (and with
-    ``spread_sends`` a home's inter-node KV sends as spread over its node's NICs)."""
+    ``spread_sends`` a home's inter-node KV sends as spread over its node's NICs). ``nic_scale``: the
+    balancer alone sees the inter-node bandwidth times this (staging and scoring see the true one)."""
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
     if init in BASELINE_INITS:  # a baseline itself, so dcp is never slower
         from .baselines import allgather, zigzag
@@ -667,7 +699,10 @@ def _place(tiles: TileSet, world_size: int, init: str | None, cost_model: CostMo
         if init in ("dealt", "dealt-nodes"):
             by_node = cost_model.topology.ranks_per_node if init == "dealt-nodes" else None
             start = pushed_rows(tiles, home, ranks_per_node=by_node, **sizes)
-        rank = Balancer(tiles, home, flops / cost_model.fwd_rate, world_size, cost_model.topology,
+        topology = cost_model.topology
+        if nic_scale != 1.0:
+            topology = replace(topology, inter_bw=topology.inter_bw * nic_scale)
+        rank = Balancer(tiles, home, flops / cost_model.fwd_rate, world_size, topology,
                         relay_aware=relay_aware, spread_sends=spread_sends, start=start, **sizes).run()
         stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
                               total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,

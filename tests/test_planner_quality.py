@@ -387,6 +387,32 @@ def test_deferred_backward_hides_a_homes_idle_exchanges(monkeypatch):
     assert deferred < 0.95 * step_over_bound()
 
 
+def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide(monkeypatch):
+    """16 ranks, 8 per node, 42K tokens (two 4-16K-token documents among short ones: ~2.6K tokens per
+    rank): the balancer's max(compute, transfers) estimate spreads the long documents across the
+    nodes, and the staged execution cannot hide those transfers. Its homes balanced again with the
+    NICs priced slower (``NIC_SHY_SCALES``) keep more compute on its node, half the inter-node bytes
+    for a 4% larger imbalance: 1.337 -> 1.194x the bound. The plans are checked (make_plan's default)."""
+    import blockattn.planner.dcp as dcp_module
+
+    rng = np.random.default_rng(5)
+    spec = MaskSpec.documents(rng.integers(4000, 16000, 2).tolist() + rng.integers(64, 2000, 20).tolist())
+
+    def plan_stats():
+        clear_plan_cache()
+        s = make_plan(spec, 16, block_size=128, topology=Topology(ranks_per_node=8), **HEADS).stats()
+        flops = np.asarray(s["flops_fwd"], dtype=np.float64)
+        return ((s["sim_time_fwd"] + s["sim_time_bwd"]) / (s["lower_bound_fwd"] + s["lower_bound_bwd"]),
+                s["bytes_inter_node_fwd"] + s["bytes_inter_node_bwd"], flops.max() / flops.mean())
+
+    shy = plan_stats()
+    monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())
+    plain = plan_stats()
+    assert shy[0] < 0.92 * plain[0]
+    assert shy[1] < 0.6 * plain[1]  # fewer bytes between nodes ...
+    assert shy[2] > plain[2]  # ... for compute left less balanced
+
+
 def _two_nodes_reading_block_0():
     """4 blocks of 8 tokens on 4 ranks (block r on rank r), two nodes of two; every block reads
     block 0 and itself. Returns tiles, home, topology, sizes and one block's KV bytes."""
@@ -496,13 +522,14 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch):
     """A 12K-token document in 24K tokens on three nodes of two ranks: the first plan is ~1.9x the
     bound, so dcp plans again with spread sends (from SECOND_OPINION_INITS and from the first plan's
     homes), gives the finalists within RECHECK of the fastest their transit relays, and keeps the
-    fastest plan, here a second-opinion one, consistent. (Without the final backward deferral, which
-    would change the plan compared.)"""
+    fastest plan, here a second-opinion one, consistent. (Without the final backward deferral and the
+    NIC-shy pass after it, which would change the plan compared.)"""
     from blockattn.planner import check_plan, clear_plan_cache
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.tiles import TileSet
 
     monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args: placement)
+    monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())
 
     spec = MaskSpec.documents([12000, 2552, 2127, 2171, 1288, 2650, 578, 1210])
     topo = Topology(ranks_per_node=2)
@@ -585,6 +612,7 @@ def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch):
 
     monkeypatch.setattr(dcp_module, "_dcp", recording_dcp)
     monkeypatch.setattr(dcp_module, "_place", recording_place)
+    monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())  # (its pass re-balances the kept homes the same way)
     dcp_module.dcp(tiles, 6, cost_model=cm, max_stages=4, **sizes)
     assert len(seeds) == 1  # (the first plan is over SECOND_OPINION x the bound)
     for first in firsts:
