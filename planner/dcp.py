@@ -66,7 +66,12 @@ full resolution and get their transit relays before they are compared, and the f
 Batches with many tiles are planned on merged blocks (``coarsen``) and mapped back, which keeps
 planning time near-linear in the batch. Last, the kept plan's backward defers whole remote-KV groups
 out of stage 0 into the stages whose exchanges it leaves exposed, where faster
-(``with_deferred_backward``; not for a large one-node batch planned on merged blocks).
+(``with_deferred_backward``; not for a large one-node batch planned on merged blocks). On several
+nodes a plan still ``NIC_SHY_FROM`` times the bound is then weighed against its homes balanced again
+with the NICs priced 1.33x and 2x (``NIC_SHY_SCALES``; the balancer alone sees them slower, staging
+and scoring see the true ones), each refined, transit-relayed and deferred alike: the balancer's
+max(compute, transfers) estimate is optimistic where the stages cannot hide a transfer (the first
+exchange, per-exchange latency), so on small batches it sheds more compute across nodes than pays.
 """
 
 from __future__ import annotations
@@ -451,8 +456,9 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     opinion, i.e. the ``SECOND_OPINION_INITS`` placements and these homes (each distinct one once)
     balanced with the homes' inter-node sends priced on their node's NICs, refined alike, and no other
     candidate. ``every_finalist``: the (refined) finalists within RECHECK of the fastest, fastest first,
-    instead of the fastest alone. ``nic_scale`` != 1 (with ``second_opinion``): only the given homes,
-    balanced by a Balancer that sees the inter-node bandwidth times ``nic_scale`` (NIC_SHY_SCALES)."""
+    instead of the fastest alone. ``nic_scale`` != 1 (with ``second_opinion`` and ``every_finalist``):
+    only the given homes, balanced by a Balancer that sees the inter-node bandwidth times ``nic_scale``
+    (NIC_SHY_SCALES); no plan (an empty list) where none of them survives merging the blocks."""
     factor = coarsening_factor(tiles, world_size)
     if factor > 1:
         coarse, of_fine = coarsen(tiles, factor)
@@ -463,7 +469,7 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
             second_opinion = [coarse_home for coarse_home, home in zip(merged, second_opinion)
                               if np.array_equal(coarse_home[np.arange(tiles.num_blocks) // factor], home)]
         plans = _dcp(coarse, world_size, cost_model, max_stages, sizes, init, relays, second_opinion, every_finalist,
-                     nic_scale)
+                     nic_scale=nic_scale)
         fines = []
         for plan in plans if every_finalist else [plans]:
             # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
@@ -510,6 +516,8 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
         for seed in second_opinion:
             if not any(np.array_equal(home, seed) for home in homes):
                 homes.append(seed)  # (the first plan's homes are often hierarchical's own)
+        if not homes:  # a NIC-shy pass on merged blocks whose seed homes were not whole merged blocks
+            return []
         finalists = [(_place(tiles, world_size, None, cost_model, max_stages, sizes, home=home, relays=relays,
                              relay_aware=True, spread_sends=True, nic_scale=nic_scale)[0], True) for home in homes]
     elif multi_node and min(t for t, _, _ in planned) > good_enough:

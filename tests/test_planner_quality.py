@@ -413,6 +413,35 @@ def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide
     assert shy[2] > plain[2]  # ... for compute left less balanced
 
 
+def test_nic_shy_pass_without_whole_merged_seed_homes_keeps_the_plan(monkeypatch):
+    """Regression (found by fuzzing): 30 ranks, 3 per node, 65K tokens in blocks of 32 are planned on
+    merged blocks, and the kept plan's homes are not whole merged blocks, so they cannot seed the
+    NIC-shy pass there: the pass has nothing to plan (an empty list, not an IndexError) and the kept
+    plan is returned, checked (make_plan's default)."""
+    import blockattn.planner.dcp as dcp_module
+    from blockattn.planner.tiles import TileSet
+
+    lens = [73, 7590, 264, 96, 757, 53322, 2511, 1043]
+    spec = MaskSpec.documents(lens) & MaskSpec.lambda_mask(sum(lens), 64, 4096)
+    assert dcp_module.coarsening_factor(TileSet.from_block_mask(spec.block_mask(32)), 30) > 1
+    shy_results = []
+    original_dcp = dcp_module._dcp
+
+    def recording_dcp(*args, nic_scale=1.0, **kwargs):
+        result = original_dcp(*args, nic_scale=nic_scale, **kwargs)
+        if nic_scale != 1.0:
+            shy_results.append(result)
+        return result
+
+    monkeypatch.setattr(dcp_module, "_dcp", recording_dcp)
+    clear_plan_cache()
+    plan = make_plan(spec, 30, block_size=32, topology=Topology(ranks_per_node=3), max_stages=2,
+                     grad_comm_dtype=torch.bfloat16, **HEADS)
+    assert shy_results and all(result == [] for result in shy_results)
+    assert plan.num_stages >= 1
+    clear_plan_cache()
+
+
 def _two_nodes_reading_block_0():
     """4 blocks of 8 tokens on 4 ranks (block r on rank r), two nodes of two; every block reads
     block 0 and itself. Returns tiles, home, topology, sizes and one block's KV bytes."""
