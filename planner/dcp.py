@@ -337,13 +337,9 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     result = with_deferred_backward(tiles, placement, world_size, cost_model, sizes)
     if (init is None and world_size > cost_model.topology.ranks_per_node
             and result.sim_time > NIC_SHY_FROM * _lower_bound(tiles, world_size, cost_model, sizes)):
-        for scale in NIC_SHY_SCALES:  # the kept homes balanced again with the NICs priced slower
-            for alt in _dcp(tiles, world_size, cost_model, max_stages, sizes, None,
-                            second_opinion=[placement.block_home], every_finalist=True, nic_scale=scale):
-                alt = with_deferred_backward(tiles, _with_transit(tiles, alt, world_size, cost_model, sizes),
-                                             world_size, cost_model, sizes)
-                if alt.sim_time < result.sim_time:
-                    result = alt
+        for scale in NIC_SHY_SCALES:  # the kept homes alone, balanced again with the NICs priced slower
+            result = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, [placement.block_home],
+                                     opinion_inits=(), nic_scale=scale, deferred=True)
     return result
 
 
@@ -426,11 +422,23 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         # its transit relays before they are compared: they gain less on homes that already spread a
         # node's sends ("hierarchical-spread")
         seeds = [result.block_home] + [first.block_home for first in firsts]
-        for alt in _dcp(tiles, world_size, cost_model, max_stages, sizes, None, second_opinion=seeds,
-                        every_finalist=True):
-            alt = _with_transit(tiles, alt, world_size, cost_model, sizes)
-            if alt.sim_time < result.sim_time:
-                result = alt
+        result = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, seeds)
+    return result
+
+
+def _second_opinion(tiles: TileSet, result: Placement, world_size: int, cost_model: CostModel, max_stages: int,
+                    sizes: dict, seeds: list, *, opinion_inits: tuple = SECOND_OPINION_INITS, nic_scale: float = 1.0,
+                    deferred: bool = False) -> Placement:
+    """``result`` or, where one simulates faster, the fastest second-opinion finalist from ``seeds`` and
+    ``opinion_inits`` (``_dcp(second_opinion=...)``), each given its transit relays and, with
+    ``deferred``, its backward deferral (to compare with a ``result`` that has had its own)."""
+    for alt in _dcp(tiles, world_size, cost_model, max_stages, sizes, None, second_opinion=seeds,
+                    every_finalist=True, nic_scale=nic_scale, opinion_inits=opinion_inits):
+        alt = _with_transit(tiles, alt, world_size, cost_model, sizes)
+        if deferred:
+            alt = with_deferred_backward(tiles, alt, world_size, cost_model, sizes)
+        if alt.sim_time < result.sim_time:
+            result = alt
     return result
 
 
@@ -449,16 +457,17 @@ def _with_transit(tiles: TileSet, placement: Placement, world_size: int, cost_mo
 
 def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
          init: str | None, relays: bool = True, second_opinion: list | None = None,
-         every_finalist: bool = False, nic_scale: float = 1.0) -> Placement | list:
+         every_finalist: bool = False, nic_scale: float = 1.0,
+         opinion_inits: tuple = SECOND_OPINION_INITS) -> Placement | list:
     """dcp's placement before the baseline check and the transit relays. ``relays=False``: without
     node-level relays and the refinements that redo them (the balanced candidates alone).
     ``second_opinion`` (several nodes; a list of first plans' block homes, possibly empty): the second
-    opinion, i.e. the ``SECOND_OPINION_INITS`` placements and these homes (each distinct one once)
-    balanced with the homes' inter-node sends priced on their node's NICs, refined alike, and no other
-    candidate. ``every_finalist``: the (refined) finalists within RECHECK of the fastest, fastest first,
-    instead of the fastest alone. ``nic_scale`` != 1 (with ``second_opinion`` and ``every_finalist``):
-    only the given homes, balanced by a Balancer that sees the inter-node bandwidth times ``nic_scale``
-    (NIC_SHY_SCALES); no plan (an empty list) where none of them survives merging the blocks."""
+    opinion, i.e. the ``opinion_inits`` placements and these homes (each distinct one once) balanced
+    with the homes' inter-node sends priced on their node's NICs, refined alike, and no other candidate;
+    no plan (an empty list, with ``every_finalist``) where there is no start left, i.e. no
+    ``opinion_inits`` and no seed home that survives merging the blocks. ``every_finalist``: the
+    (refined) finalists within RECHECK of the fastest, fastest first, instead of the fastest alone.
+    ``nic_scale``: the balancer sees the inter-node bandwidth times this (NIC_SHY_SCALES)."""
     factor = coarsening_factor(tiles, world_size)
     if factor > 1:
         coarse, of_fine = coarsen(tiles, factor)
@@ -469,7 +478,7 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
             second_opinion = [coarse_home for coarse_home, home in zip(merged, second_opinion)
                               if np.array_equal(coarse_home[np.arange(tiles.num_blocks) // factor], home)]
         plans = _dcp(coarse, world_size, cost_model, max_stages, sizes, init, relays, second_opinion, every_finalist,
-                     nic_scale=nic_scale)
+                     nic_scale=nic_scale, opinion_inits=opinion_inits)
         fines = []
         for plan in plans if every_finalist else [plans]:
             # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
@@ -511,12 +520,11 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     # finalists: (placement, balanced relay-aware already)
     finalists = [(placement, False) for _, _, placement in sorted(planned, key=lambda item: item[:2])[:RELAY_TOP]]
     if second_opinion is not None:
-        homes = ([] if nic_scale != 1.0 else
-                 [_initial_home(tiles, world_size, name, cost_model, sizes) for name in SECOND_OPINION_INITS])
+        homes = [_initial_home(tiles, world_size, name, cost_model, sizes) for name in opinion_inits]
         for seed in second_opinion:
             if not any(np.array_equal(home, seed) for home in homes):
                 homes.append(seed)  # (the first plan's homes are often hierarchical's own)
-        if not homes:  # a NIC-shy pass on merged blocks whose seed homes were not whole merged blocks
+        if not homes:  # (the NIC-shy pass on merged blocks, its seed not whole merged blocks)
             return []
         finalists = [(_place(tiles, world_size, None, cost_model, max_stages, sizes, home=home, relays=relays,
                              relay_aware=True, spread_sends=True, nic_scale=nic_scale)[0], True) for home in homes]
