@@ -73,6 +73,10 @@ with the NICs priced 1.33x and 2x (``NIC_SHY_SCALES``; the balancer alone sees t
 and scoring see the true ones), each refined, transit-relayed and deferred alike: the balancer's
 max(compute, transfers) estimate is optimistic where the stages cannot hide a transfer (the first
 exchange, per-exchange latency), so on small batches it sheds more compute across nodes than pays.
+A plan still that slow is last weighed against its homes with, inside each node, the blocks other
+nodes read dealt over the node's ranks, and (apart) only those whose KV crosses nodes in the forward's
+first exchange (``_spread_homes``, ``SPREAD_PASS``): nothing can send those ahead through a node-mate,
+so one home's NIC carries them all behind its stage-0 compute.
 """
 
 from __future__ import annotations
@@ -190,6 +194,9 @@ TRANSIT_PASSES = 3
 # candidates before their deferral instead lost gains (one won at 1.10x the kept plan's time before it).
 NIC_SHY_SCALES = (0.75, 0.5)
 NIC_SHY_FROM = 1.10
+# ... and then against its homes with the blocks other nodes read dealt over their node's ranks, all of
+# them or those crossing nodes in the forward's first exchange (``_spread_homes``).
+SPREAD_PASS = True
 # A q-row with more than HOT_ROW times the mean row's pairs, read from more than HOT_SPAN of the blocks, is
 # "hot" (causal_blockwise's last block reads the whole sequence): batches with hot rows also get the
 # "dealt" candidate (``dealt_home``), and on several nodes "dealt-nodes" too (the same homes, rows pushed
@@ -255,29 +262,50 @@ def spread_read_blocks(tiles: TileSet, home: np.ndarray, topology) -> np.ndarray
     node's ranks (as evenly as each rank's block count allows) and the other blocks in contiguous
     runs over the room left; every rank keeps its number of blocks, every block its node. Their
     inter-node sends then leave through every NIC of the node rather than one home's."""
-    rpn = topology.ranks_per_node
-    node = home // rpn
+    node = home // topology.ranks_per_node
     read = np.zeros(tiles.num_blocks, dtype=bool)
     read[tiles.kv[node[tiles.q] != node[tiles.kv]]] = True
+    return deal_blocks(home, read, topology, keep_rest=False)
+
+
+def deal_blocks(home: np.ndarray, dealt: np.ndarray, topology, *, keep_rest: bool = True) -> np.ndarray:
+    """``home`` with, inside each node, the blocks marked in ``dealt`` (bool [nB]) dealt round-robin over
+    the node's ranks (as evenly as each rank's block count allows); the other blocks stay on their
+    homes as far as the room left allows (``keep_rest``; the overflow fills the others' room in block
+    order) or fill the room left in contiguous runs. Every rank keeps its number of blocks, every
+    block its node."""
+    rpn = topology.ranks_per_node
+    node = home // rpn
     out = home.copy()
     for n in np.unique(node).tolist():
         blocks = np.flatnonzero(node == n)  # ascending
         count = np.bincount(home[blocks] - n * rpn, minlength=rpn)
-        dealt = blocks[read[blocks]]
-        if dealt.size == 0:
+        mine = blocks[dealt[blocks]]
+        if mine.size == 0:
             continue
         # as even as the counts allow: up to level - 1 each, one more for the lowest ranks that can
         level = 0
-        while int(np.minimum(count, level).sum()) < dealt.size:
+        while int(np.minimum(count, level).sum()) < mine.size:
             level += 1
         take = np.minimum(count, level - 1)
-        take[np.flatnonzero(count >= level)[: dealt.size - int(take.sum())]] += 1
+        take[np.flatnonzero(count >= level)[: mine.size - int(take.sum())]] += 1
         # deal in rounds: round j gives one block to every rank with take > j, lowest rank first
         rounds = np.concatenate([np.flatnonzero(take > j) for j in range(int(take.max()))])
-        out[dealt] = n * rpn + rounds
-        rest = blocks[~read[blocks]]
+        out[mine] = n * rpn + rounds
+        rest = blocks[~dealt[blocks]]
         room = count - take
-        out[rest] = n * rpn + np.repeat(np.arange(rpn), room)
+        if not keep_rest:
+            out[rest] = n * rpn + np.repeat(np.arange(rpn), room)
+            continue
+        own = home[rest] - n * rpn
+        order = np.argsort(own, kind="stable")  # each rank's rest blocks, ascending
+        first_of_rank = np.searchsorted(own[order], np.arange(rpn))
+        position = np.empty(rest.size, dtype=np.int64)
+        position[order] = np.arange(rest.size) - first_of_rank[own[order]]
+        stays = position < room[own]
+        left = room - np.bincount(own[stays], minlength=rpn)
+        out[rest[stays]] = home[rest[stays]]
+        out[rest[~stays]] = n * rpn + np.repeat(np.arange(rpn), left)
     return out
 
 
@@ -329,7 +357,8 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     fwd + bwd time) is kept. The kept plan's backward then defers remote-KV groups into the stages its
     transfers leave exposed, where faster (``with_deferred_backward``); on several nodes, a plan still
     slower than NIC_SHY_FROM x the bound is weighed against its homes balanced with the NICs priced
-    slower (NIC_SHY_SCALES)."""
+    slower (NIC_SHY_SCALES), and then against its homes with the blocks other nodes read dealt over their
+    node's ranks (``_spread_homes``)."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
     placement = _dcp_selected(tiles, world_size, cost_model, max_stages, sizes, init)
@@ -341,7 +370,35 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         for scale in NIC_SHY_SCALES:  # the kept homes alone, balanced again with the NICs priced slower
             result = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, [placement.block_home],
                                      opinion_inits=(), nic_scale=scale, deferred=True)
+        if SPREAD_PASS and result.sim_time > NIC_SHY_FROM * _lower_bound(tiles, world_size, cost_model, sizes):
+            # each on its own: together, one's finalists may drop the other's before their transit relays
+            for home in _spread_homes(tiles, result, world_size, cost_model.topology):
+                result = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, [home],
+                                         opinion_inits=(), deferred=True)
     return result
+
+
+def _spread_homes(tiles: TileSet, placement: Placement, world_size: int, topology) -> list:
+    """The homes of ``placement`` with, inside each node, the blocks other nodes read dealt over the
+    node's ranks (``spread_read_blocks``), and with only those whose KV crosses nodes in the forward's
+    first exchange dealt (``deal_blocks``): that exchange has no earlier one to send them ahead through
+    a node-mate (a transit rank), so one home's NIC carries them all behind stage 0's compute. Dealt
+    as merged blocks where the batch is planned on them (the seeds of ``_dcp(second_opinion=...)``)."""
+    factor = coarsening_factor(tiles, world_size)
+    home = placement.block_home
+    coarse, of_block = tiles, np.arange(tiles.num_blocks)
+    if factor > 1:
+        coarse = coarsen(tiles, factor)[0]
+        of_block = np.arange(tiles.num_blocks) // factor
+        home = home[np.arange(coarse.num_blocks) * factor]
+        if not np.array_equal(home[of_block], placement.block_home):
+            return []  # not whole merged blocks: no seed survives merging
+    fwd = placement.schedule.fwd.numpy().astype(np.int64)
+    node_of = topology.node_of
+    first = (fwd[:, 0] == 1) & (fwd[:, 3] == KIND_KV) & (node_of(fwd[:, 1]) != node_of(fwd[:, 2]))
+    crossing = np.zeros(coarse.num_blocks, dtype=bool)
+    crossing[of_block[fwd[first, 4]]] = True
+    return [spread_read_blocks(coarse, home, topology)[of_block], deal_blocks(home, crossing, topology)[of_block]]
 
 
 def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel,
