@@ -303,8 +303,7 @@ def deal_blocks(home: np.ndarray, dealt: np.ndarray, topology, *, keep_rest: boo
         position = np.empty(rest.size, dtype=np.int64)
         position[order] = np.arange(rest.size) - first_of_rank[own[order]]
         stays = position < room[own]
-        left = room - np.bincount(own[stays], minlength=rpn)
-        out[rest[stays]] = home[rest[stays]]
+        left = room - np.bincount(own[stays], minlength=rpn)  # (out already holds the others' homes)
         out[rest[~stays]] = n * rpn + np.repeat(np.arange(rpn), left)
     return out
 
@@ -365,17 +364,24 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     if placement.sim_time is None and world_size <= cost_model.topology.ranks_per_node:
         return placement  # a large batch on one node, planned on merged blocks: NVLink-bound (see _dcp_selected)
     result = with_deferred_backward(tiles, placement, world_size, cost_model, sizes)
-    if (init is None and world_size > cost_model.topology.ranks_per_node
-            and result.sim_time > NIC_SHY_FROM * _lower_bound(tiles, world_size, cost_model, sizes)):
+    bound = _lower_bound(tiles, world_size, cost_model, sizes)
+    if init is None and world_size > cost_model.topology.ranks_per_node and result.sim_time > NIC_SHY_FROM * bound:
         for scale in NIC_SHY_SCALES:  # the kept homes alone, balanced again with the NICs priced slower
             result = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, [placement.block_home],
                                      opinion_inits=(), nic_scale=scale, deferred=True)
-        if SPREAD_PASS and result.sim_time > NIC_SHY_FROM * _lower_bound(tiles, world_size, cost_model, sizes):
+        if SPREAD_PASS and result.sim_time > NIC_SHY_FROM * bound:
             # each on its own: together, one's finalists may drop the other's before their transit relays
             for home in _spread_homes(tiles, result, world_size, cost_model.topology):
                 result = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, [home],
                                          opinion_inits=(), deferred=True)
     return result
+
+
+def merged_home(home: np.ndarray, factor: int, num_merged: int) -> np.ndarray | None:
+    """The homes of the merged blocks (``coarsen(tiles, factor)``) where ``home`` keeps every merged
+    block whole on one rank, else None."""
+    merged = home[np.arange(num_merged) * factor]
+    return merged if np.array_equal(merged[np.arange(home.size) // factor], home) else None
 
 
 def _spread_homes(tiles: TileSet, placement: Placement, world_size: int, topology) -> list:
@@ -385,14 +391,11 @@ def _spread_homes(tiles: TileSet, placement: Placement, world_size: int, topolog
     a node-mate (a transit rank), so one home's NIC carries them all behind stage 0's compute. Dealt
     as merged blocks where the batch is planned on them (the seeds of ``_dcp(second_opinion=...)``)."""
     factor = coarsening_factor(tiles, world_size)
-    home = placement.block_home
-    coarse, of_block = tiles, np.arange(tiles.num_blocks)
-    if factor > 1:
-        coarse = coarsen(tiles, factor)[0]
-        of_block = np.arange(tiles.num_blocks) // factor
-        home = home[np.arange(coarse.num_blocks) * factor]
-        if not np.array_equal(home[of_block], placement.block_home):
-            return []  # not whole merged blocks: no seed survives merging
+    coarse = coarsen(tiles, factor)[0] if factor > 1 else tiles
+    of_block = np.arange(tiles.num_blocks) // factor
+    home = merged_home(placement.block_home, factor, coarse.num_blocks)
+    if home is None:
+        return []  # not whole merged blocks: no seed survives merging
     fwd = placement.schedule.fwd.numpy().astype(np.int64)
     node_of = topology.node_of
     first = (fwd[:, 0] == 1) & (fwd[:, 3] == KIND_KV) & (node_of(fwd[:, 1]) != node_of(fwd[:, 2]))
@@ -414,8 +417,7 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
     if world_size == 1:
         return placement
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
-    busiest = np.bincount(placement.tile_rank, weights=flops, minlength=world_size).max() / cost_model.fwd_rate
-    if placement.sim_time <= (1 + cost_model.bwd_flops_factor) * busiest * (1 + 1e-3):
+    if placement.sim_time <= _time_floor(placement.tile_rank, flops, world_size, cost_model) * (1 + 1e-3):
         return placement  # no transfer exposed anywhere that matters
     # one cheap pass over the plan's own backward exchanges: nothing to defer, nothing to derive
     S = placement.schedule.num_stages
@@ -532,9 +534,8 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
         if second_opinion is not None:
             # the first plans' homes as merged blocks' homes, where they are whole merged blocks (a
             # baseline's may not be: then left out, so memory stays as balanced as planned)
-            merged = [home[np.arange(coarse.num_blocks) * factor] for home in second_opinion]
-            second_opinion = [coarse_home for coarse_home, home in zip(merged, second_opinion)
-                              if np.array_equal(coarse_home[np.arange(tiles.num_blocks) // factor], home)]
+            merged = [merged_home(home, factor, coarse.num_blocks) for home in second_opinion]
+            second_opinion = [coarse_home for coarse_home in merged if coarse_home is not None]
         plans = _dcp(coarse, world_size, cost_model, max_stages, sizes, init, relays, second_opinion, every_finalist,
                      nic_scale=nic_scale, opinion_inits=opinion_inits)
         fines = []
@@ -657,12 +658,13 @@ def _fewest_bytes_staging_few(tiles: TileSet, world_size: int, inits: list, cost
     balanced = [_balanced(tiles, world_size, name, cost_model, sizes) for name in inits]
     moved = [moved_bytes(tiles, home, rank, sizes) for home, rank in balanced]
     fewest = min(range(len(inits)), key=lambda i: (moved[i], i))  # first of equals in candidate order
-    staged = {fewest: _staged(tiles, world_size, *balanced[fewest], cost_model, max_stages, sizes)}
-    others = min(_time_floor(tiles, rank, world_size, cost_model, sizes)
+    first = _staged(tiles, world_size, *balanced[fewest], cost_model, max_stages, sizes)
+    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
+    others = min(_time_floor(rank, flops, world_size, cost_model)
                  for i, (_, rank) in enumerate(balanced) if i != fewest)
-    if staged[fewest].sim_time <= min(good_enough, BYTES_SLACK * others):
-        return staged[fewest]
-    planned = [staged.get(i) or _staged(tiles, world_size, *balanced[i], cost_model, max_stages, sizes)
+    if first.sim_time <= min(good_enough, BYTES_SLACK * others):
+        return first
+    planned = [first if i == fewest else _staged(tiles, world_size, *balanced[i], cost_model, max_stages, sizes)
                for i in range(len(inits))]
     return _fewest_bytes(tiles, planned, good_enough, sizes)
 
@@ -680,11 +682,11 @@ def moved_bytes(tiles: TileSet, home: np.ndarray, rank: np.ndarray, sizes: dict)
     return total
 
 
-def _time_floor(tiles: TileSet, rank: np.ndarray, world_size: int, cost_model: CostModel, sizes: dict) -> float:
-    """A floor under a plan's simulated forward + backward time: its busiest rank's compute."""
-    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
+def _time_floor(rank: np.ndarray, flops: np.ndarray, world_size: int, cost_model: CostModel) -> float:
+    """A floor under a plan's simulated forward + backward time: its busiest rank's compute (``flops``:
+    each tile's forward FLOPs)."""
     busiest = np.bincount(rank, weights=flops, minlength=world_size).max() / cost_model.fwd_rate
-    return float(busiest * (1 + cost_model.bwd_flops_factor))
+    return float((1 + cost_model.bwd_flops_factor) * busiest)
 
 
 def _relay_balanced(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, max_stages: int,
