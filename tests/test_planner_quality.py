@@ -182,6 +182,20 @@ def test_fcp_splits_a_heavy_document_into_zigzag_pairs(world_size):
     assert home[0] == home[6144 // 64 - 1], home[: 6144 // 64]
 
 
+def test_fcp_groups_a_heavy_document_among_short_ones_that_start_inside_blocks():
+    # packed documents that start inside blocks chain into one long segment by tile counts: cut into
+    # plain pieces, its heaviest (the heavy document's last rows) outweighed a rank's share (1.54-1.63);
+    # cut where documents start, the heavy one gets its group of zigzag pairs
+    rng = np.random.default_rng(0)
+    docs = [int(n) for n in rng.integers(20, 300, size=60)]
+    docs.insert(25, 3000)
+    spec = MaskSpec.documents(docs)
+    assert np.mean(np.cumsum(docs)[:-1] % 32 != 0) > 0.9  # few documents start on a block boundary
+    stats = make_plan(spec, 8, strategy="fcp", block_size=32, topology=FAST, **HEADS).stats()
+    assert stats["compute_imbalance"] <= 1.15, stats["compute_imbalance"]
+    assert stats["transfers"]["Q"] == 0 and stats["transfers"]["OUT"] == 0
+
+
 def test_dcp_relays_a_shared_question_once_per_node():
     # every answer reads the question: without relays its home sends one copy per remote rank
     spec = MaskSpec.shared_question(512, [384] * 12)
