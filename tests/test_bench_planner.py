@@ -68,3 +68,23 @@ def test_planning_summary_is_the_median_and_max_over_batches():
     assert by_source["wikipedia"] == {"source": "wikipedia", "tokens": 131072, "world_size": 8, "strategy": "dcp",
                                       "batches": 3, "plan_ms_median": 20.0, "plan_ms_max": 30.0}
     assert by_source["longtail"]["batches"] == 1 and by_source["longtail"]["plan_ms_median"] == 9.0
+
+
+def test_by_mask_and_configuration_speedups_per_mask_and_configuration():
+    bench = _bench_planner()
+    results = [dict(_case(16, 4, 1.0, 1.0, 1.0, 1.0, zigzag=zz, ring=ring, dcp_bytes=1, zz_bytes=1, ring_bytes=1),
+                    mask=mask)
+               for mask, zz, ring in (("lambda_docs", 2.0, 8.0), ("lambda_docs", 8.0, 32.0), ("causal_docs", 3.0, 3.0))]
+    results.append(dict(_case(8, 8, 1.0, 1.0, 1.0, 1.0, zigzag=4.0, ring=4.0, dcp_bytes=1, zz_bytes=1, ring_bytes=1),
+                        mask="causal_docs"))
+    out = bench.by_mask_and_configuration(results)
+    assert list(out) == ["causal_docs", "lambda_docs"]
+    assert out["lambda_docs"]["dcp_paper_low_end"] == 2.15 and out["causal_docs"]["dcp_paper_low_end"] == 1.19
+    assert "8/8" not in out["lambda_docs"]  # (no lambda case there)
+    c = out["lambda_docs"]["16/4"]  # dcp's step is 2: speedups 1 and 4, 4 and 16
+    assert c["cases"] == 2
+    assert c["speedup_vs_zigzag_geomean"] == pytest.approx(2.0) and c["speedup_vs_zigzag_min"] == pytest.approx(1.0)
+    assert c["speedup_vs_zigzag_ring_geomean"] == pytest.approx(8.0)
+    assert c["speedup_vs_zigzag_ring_min"] == pytest.approx(4.0)
+    assert c["zigzag_ring_over_lower_bound_geomean"] == pytest.approx(8.0)  # 8 / 2 and 32 / 2
+    assert out["causal_docs"]["8/8"]["speedup_vs_zigzag_geomean"] == pytest.approx(2.0)
