@@ -199,14 +199,14 @@ NIC_SHY_FROM = 1.10
 # them or those crossing nodes in the forward's first exchange (``_spread_homes``).
 SPREAD_PASS = True
 # Where the spread pass wins, its homes go through the NIC-shy pass and the spread pass again, for up to
-# PASS_ROUNDS rounds, and each spread pass also starts from the plan before that round's NIC-shy pass
-# (``_nic_passes``). Every pass only adds candidates (none slower). Fwd + bwd over the bound, 63
-# multi-node cases per seed (the bench's draws; fp32 partials), one round -> three: seed 0 (the bench's
-# batches) 32 / 8 1.1542 -> 1.1502; seed 777 16 / 4 1.1062 -> 1.1036, 32 / 8 1.2475 -> 1.2438 (a causal
-# batch 1.583 -> 1.512); seed 1 (held out) 16 / 4 1.1042 -> 1.0995 (its worst plan 1.430 -> 1.388);
-# 10 of 189 plans faster (by up to 5%); planning +7-15% on these cases. (The spread pass before the
-# NIC-shy one instead lost a held-out plan, 1.430 -> 1.454: the first-exchange start depends on which
-# plan it reads.)
+# PASS_ROUNDS rounds (``_nic_passes``). Every pass only adds candidates (none slower). Fwd + bwd over the
+# bound, 63 multi-node cases per seed (the bench's draws; fp32 partials), one round -> three: seed 0
+# (the bench's batches) 32 / 8 1.1542 -> 1.1502; seed 777 16 / 4 1.1062 -> 1.1036, 32 / 8 1.2475 ->
+# 1.2444 (a causal batch 1.583 -> 1.527); seed 1 (held out) 16 / 4 1.1042 -> 1.0976 (a causal batch
+# 1.250 -> 1.155, its worst plan 1.430 -> 1.388); 10 of 189 plans faster (by up to 8%), planning +2-7%
+# on these cases. Spreading also the plan before each round's NIC-shy pass cost one more start (0.9 s
+# of a 1M / 64 plan, no gain there) and lost as much as it won (seed 777 one plan faster, seed 1 two
+# slower); the spread pass before the NIC-shy one lost a held-out plan (1.430 -> 1.454).
 PASS_ROUNDS = 3
 # A q-row with more than HOT_ROW times the mean row's pairs, read from more than HOT_SPAN of the blocks, is
 # "hot" (causal_blockwise's last block reads the whole sequence): batches with hot rows also get the
@@ -384,30 +384,26 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
 def _nic_passes(tiles: TileSet, result: Placement, world_size: int, cost_model: CostModel, max_stages: int,
                 sizes: dict, bound: float) -> Placement:
     """The NIC-shy and spread passes, in rounds: the kept homes balanced again with the NICs priced
-    slower (NIC_SHY_SCALES); then, while the plan is over NIC_SHY_FROM x the bound, the spread homes
-    (``_spread_homes``) of the plan before and after that pass, each on its own; where one wins, its
-    homes go through the NIC-shy pass in the next round. Each pass only adds candidates: the result is
-    never slower than its input."""
+    slower (NIC_SHY_SCALES); then, while the plan is over NIC_SHY_FROM x the bound, its spread homes
+    (``_spread_homes``) not tried yet, each on its own; where one wins, its homes go through the
+    NIC-shy pass in the next round. Each pass only adds candidates: the result is never slower than
+    its input."""
     shy_seed, tried = result.block_home, []
     for _ in range(PASS_ROUNDS):
-        start = result
         for scale in NIC_SHY_SCALES:
             result = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, [shy_seed],
                                      opinion_inits=(), nic_scale=scale, deferred=True)
         if not SPREAD_PASS or result.sim_time <= NIC_SHY_FROM * bound:
             break
-        homes = []
-        for plan in (result, start) if result is not start else (result,):
-            for home in _spread_homes(tiles, plan, world_size, cost_model.topology):
-                if not any(np.array_equal(home, h) for h in homes + tried):
-                    homes.append(home)
+        homes = [home for home in _spread_homes(tiles, result, world_size, cost_model.topology)
+                 if not any(np.array_equal(home, seen) for seen in tried)]
         tried += homes
         # each on its own: together, one's finalists may drop the other's before their transit relays
-        shy_start = result
+        before_spread = result
         for home in homes:
             result = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, [home],
                                      opinion_inits=(), deferred=True)
-        if result is shy_start:
+        if result is before_spread:
             break
         shy_seed = result.block_home
     return result
