@@ -482,6 +482,32 @@ def test_nic_shy_and_spread_passes_take_rounds(monkeypatch):
     assert rounds < 0.95 * one
 
 
+@pytest.mark.parametrize("total,seed,mask", [(24_000, 15, "lambda"), (24_000, 20, "causal"), (30_000, 20, "causal")])
+def test_nic_shy_and_spread_passes_only_add_candidates(monkeypatch, total, seed, mask):
+    """dcp's last passes each weigh more starts against the plan they get and keep the faster, so each
+    one switched on can only make the plan faster: three rounds, one round, no spread pass, no NIC-shy
+    pass either, slowest last (8 ranks, 4 per node, long-tail batches where the passes gain: 1.438,
+    1.438, 1.444, 1.452; 1.377, 1.378, 1.398, 1.406; 1.131, 1.179, 1.291, 1.291x the bound)."""
+    import blockattn.planner.dcp as dcp_module
+
+    docs = MaskSpec.documents(_long_tail_docs(seed, total))
+    spec = docs if mask == "causal" else docs & MaskSpec.lambda_mask(total, 64, 4096)
+
+    def sim_time():
+        clear_plan_cache()
+        s = make_plan(spec, 8, block_size=128, topology=Topology(ranks_per_node=4), check=False, **HEADS).stats()
+        return s["sim_time_fwd"] + s["sim_time_bwd"]
+
+    times = [sim_time()]
+    monkeypatch.setattr(dcp_module, "PASS_ROUNDS", 1)
+    times.append(sim_time())
+    monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
+    times.append(sim_time())
+    monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())
+    times.append(sim_time())
+    assert all(a <= b * (1 + 1e-12) for a, b in zip(times, times[1:])), times
+
+
 def _placement_of(plan):
     """The Placement (homes, tile ranks and stages, schedule) a Plan was built from."""
     from blockattn.planner.placement import Placement
