@@ -26,6 +26,11 @@ def _long_tail_docs(seed: int, total: int) -> list[int]:
     return [n for n in lens if n > 0]
 
 
+def _over_bound(stats: dict) -> float:
+    """A plan's simulated forward + backward time over its lower bound, from ``plan.stats()``."""
+    return (stats["sim_time_fwd"] + stats["sim_time_bwd"]) / (stats["lower_bound_fwd"] + stats["lower_bound_bwd"])
+
+
 def _inter_node_bytes(plan) -> int:
     topo = plan.topology
     total = 0
@@ -393,7 +398,7 @@ def test_deferred_backward_hides_a_homes_idle_exchanges(monkeypatch):
 
     def step_over_bound():
         s = make_plan(spec, 16, block_size=128, topology=Topology(ranks_per_node=8), **HEADS).stats()
-        return (s["sim_time_fwd"] + s["sim_time_bwd"]) / (s["lower_bound_fwd"] + s["lower_bound_bwd"])
+        return _over_bound(s)
 
     deferred = step_over_bound()
     monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args: placement)
@@ -417,7 +422,7 @@ def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide
         clear_plan_cache()
         s = make_plan(spec, 16, block_size=128, topology=Topology(ranks_per_node=8), **HEADS).stats()
         flops = np.asarray(s["flops_fwd"], dtype=np.float64)
-        return ((s["sim_time_fwd"] + s["sim_time_bwd"]) / (s["lower_bound_fwd"] + s["lower_bound_bwd"]),
+        return (_over_bound(s),
                 s["bytes_inter_node_fwd"] + s["bytes_inter_node_bwd"], flops.max() / flops.mean())
 
     shy = plan_stats()
@@ -443,15 +448,11 @@ def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(mo
         clear_plan_cache()
         return make_plan(spec, 8, block_size=128, topology=topo, **HEADS)
 
-    def over_bound(p):
-        s = p.stats()
-        return (s["sim_time_fwd"] + s["sim_time_bwd"]) / (s["lower_bound_fwd"] + s["lower_bound_bwd"])
-
     spread = plan()
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
     kept = plan()
-    assert over_bound(kept) > dcp_module.NIC_SHY_FROM
-    assert over_bound(spread) < 0.95 * over_bound(kept)
+    assert _over_bound(kept.stats()) > dcp_module.NIC_SHY_FROM
+    assert _over_bound(spread.stats()) < 0.95 * _over_bound(kept.stats())
     tiles = TileSet.from_block_mask(spec.block_mask(128))
     starts = dcp_module._spread_homes(tiles, _placement_of(kept), 8, topo)
     assert len(starts) == 2 and not any(np.array_equal(start, kept.block_home.numpy()) for start in starts)
@@ -473,7 +474,7 @@ def test_nic_shy_and_spread_passes_take_rounds(monkeypatch):
     def over_bound():
         clear_plan_cache()
         s = make_plan(spec, 8, block_size=128, topology=Topology(ranks_per_node=4), **HEADS).stats()
-        return (s["sim_time_fwd"] + s["sim_time_bwd"]) / (s["lower_bound_fwd"] + s["lower_bound_bwd"])
+        return _over_bound(s)
 
     rounds = over_bound()
     monkeypatch.setattr(dcp_module, "PASS_ROUNDS", 1)
@@ -574,7 +575,7 @@ def test_one_large_node_splits_the_backward_stages_where_faster(monkeypatch):
 
     def step_over_bound():
         s = make_plan(spec, 24, block_size=128, topology=topology, **HEADS).stats()  # checked
-        return (s["sim_time_fwd"] + s["sim_time_bwd"]) / (s["lower_bound_fwd"] + s["lower_bound_bwd"])
+        return _over_bound(s)
 
     split = step_over_bound()
     monkeypatch.setattr(stages_module, "choose_backward_staging",
