@@ -67,7 +67,10 @@ full resolution and get their transit relays before they are compared, and the f
 Batches with many tiles are planned on merged blocks (``coarsen``) and mapped back, which keeps
 planning time near-linear in the batch. Last, the kept plan's backward defers whole remote-KV groups
 out of stage 0 into the stages whose exchanges it leaves exposed, where faster
-(``with_deferred_backward``; not for a large one-node batch planned on merged blocks). On several
+(``with_deferred_backward``; not for a large one-node batch planned on merged blocks); on several
+nodes its greedy rounds are followed twice, the second time also trying to defer only groups whose
+kv-block is homed on the rank's node (a deferred group whose dK/dV partial crosses nodes, summed
+through a relay's reduce tree, can leave a proxy's NIC sending after all compute). On several
 nodes a plan still ``NIC_SHY_FROM`` times the bound is then weighed against its homes balanced again
 with the NICs priced 1.33x and 2x (``NIC_SHY_SCALES``; the balancer alone sees them slower, staging
 and scoring see the true ones), each refined, transit-relayed and deferred alike: the balancer's
@@ -437,14 +440,18 @@ def _spread_homes(tiles: TileSet, placement: Placement, world_size: int, topolog
 
 
 def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel,
-                           sizes: dict) -> Placement:
+                           sizes: dict, node_local: bool = True) -> Placement:
     """``placement`` scored, its backward restaged by ``Finisher.deferred`` where faster: after the
     candidates are compared, as it costs up to 4 * DEFER_ROUNDS backward schedule derivations. Skipped
     where the plan takes no longer than its busiest rank's compute, or where its own backward has no
     group to defer (one cheap pass over its exchanges). Evaluation cases, fwd + bwd over
     the bound, fp32 partials (51 of 95 plans faster, none slower): 16 / 4 1.117 -> 1.081, 32 / 8
     1.324 -> 1.186, 32 (32) 1.086 -> 1.057, 16 / 8 1.045 -> 1.036; bf16 partials (24 of 76 faster,
-    none slower): 32 / 8 1.193 -> 1.156."""
+    none slower): 32 / 8 1.193 -> 1.156. ``node_local`` (several nodes): the rounds followed a second time
+    with node-local variants too (planner/stages.py ``DEFER_VARIANT_SETS``), the faster kept; over the
+    63 multi-node cases of the bench's batches (seed 0), held-out ones (seeds 1, 777) and bf16
+    partials: 64 of 252 plans faster (up to 7.2%), one slower (1.3%: another candidate kept later);
+    32 / 8 1.1502 -> 1.1466, held out 1.2696 -> 1.2627 (worst 2.078 -> 1.928) and 1.2444 -> 1.2341."""
     placement = _scored(tiles, placement, world_size, cost_model, sizes)
     if world_size == 1:
         return placement
@@ -463,7 +470,7 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
            is stage_bwd for largest_first in (False, True)):
         return placement
     return Finisher(tiles, placement.block_home, placement.tile_rank, placement.tile_stage, world_size=world_size,
-                    cost_model=cost_model, sizes=sizes).deferred(placement)
+                    cost_model=cost_model, sizes=sizes).deferred(placement, node_local=node_local)
 
 
 def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
@@ -528,7 +535,10 @@ def _second_opinion(tiles: TileSet, result: Placement, world_size: int, cost_mod
                     every_finalist=True, nic_scale=nic_scale, opinion_inits=opinion_inits):
         alt = _with_transit(tiles, alt, world_size, cost_model, sizes)
         if deferred:
-            alt = with_deferred_backward(tiles, alt, world_size, cost_model, sizes)
+            # (the node-local deferral path only on the first pass's kept plan: on every finalist too it
+            # cost the 1M / 64 plan 1.5 s more for 1.1466 -> 1.1416x the bound on the bench's 32 / 8
+            # cases; deferring the passes' result that way again made the passes' gains non-monotone)
+            alt = with_deferred_backward(tiles, alt, world_size, cost_model, sizes, node_local=False)
         if alt.sim_time < result.sim_time:
             result = alt
     return result

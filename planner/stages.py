@@ -30,6 +30,10 @@ from .schedule import (KIND_KV, KIND_Q, input_groups, payload_bytes, row_bytes, 
 # rounds 5-8 changed 7 plans by <= 0.5%.
 DEFER_SHARE = 0.5
 DEFER_ROUNDS = 4
+# Finisher.deferred's (largest_first, node_local) variants of defer_backward_groups, one greedy path per
+# set, the faster end kept (several nodes, ``node_local``; else the first set alone). Measured in
+# planner/dcp.py ``with_deferred_backward``.
+DEFER_VARIANT_SETS = (((False, False), (True, False)), ((False, False), (True, False), (False, True), (True, True)))
 
 
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
@@ -306,12 +310,16 @@ def backward_stages(q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.nd
 
 
 def _stage0_remote_kv_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,
-                             compute: np.ndarray, ranks: np.ndarray):
+                             compute: np.ndarray, ranks: np.ndarray, ranks_per_node: int | None = None):
     """The whole (rank, kv-block) groups of backward stage-0 tiles reading remote KV, on the ``ranks``
     flagged ([P] bool): (tile indices, each tile's group, each group's rank, each group's seconds),
-    groups ordered per rank with the latest kv-block first; None when there is none."""
+    groups ordered per rank with the latest kv-block first; None when there is none. With
+    ``ranks_per_node``, only groups whose kv-block's home is on the rank's node."""
     nB = home.size
-    idx = np.flatnonzero((stage == 0) & (home[kv] != rank) & ranks[rank])
+    eligible = (stage == 0) & (home[kv] != rank) & ranks[rank]
+    if ranks_per_node is not None:
+        eligible &= home[kv] // ranks_per_node == rank // ranks_per_node
+    idx = np.flatnonzero(eligible)
     if idx.size == 0:
         return None
     groups, of_tile = _dense_unique(rank[idx] * nB + (nB - 1 - kv[idx]))
@@ -343,7 +351,7 @@ def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank
 def defer_backward_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,
                           compute: np.ndarray, load: np.ndarray, comm_time: np.ndarray, *,
                           share: float = DEFER_SHARE, largest_first: bool = False,
-                          into_last: bool = False) -> np.ndarray:
+                          into_last: bool = False, ranks_per_node: int | None = None) -> np.ndarray:
     """Backward stages with whole (rank, kv-block) groups of stage-0 tiles that read remote KV moved to
     the stages 1 .. S-2 whose exchanges are exposed: a home computes most of its backward in stage 0
     (its rows' dK/dV partials leave in exchange 1), then idles while its helpers' partials and the dO
@@ -352,7 +360,10 @@ def defer_backward_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, h
     ``largest_first``, its groups of the most compute, which send the fewest partials per second moved);
     a moved group's partial leaves one exchange after its new stage, which the next stage's compute
     then has to hide, hence only a share. ``into_last``: stage S-1 may take groups too, whose partials
-    then leave after all compute (where its exchange's gap is the larger cost).
+    then leave after all compute (where its exchange's gap is the larger cost). ``ranks_per_node``:
+    only groups whose kv-block is homed on the rank's node move (their partials stay on NVLink; one
+    that crosses nodes late, often summed through a relay's reduce tree, leaves a proxy's NIC after
+    the last compute).
 
     ``stage``: backward stages (only tiles with remote KV move, so local tiles may be in their
     class-rule stage or spread); ``compute``: per-tile backward seconds; ``load`` [P, S]: the backward
@@ -365,7 +376,7 @@ def defer_backward_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, h
     gaps = np.maximum(0.0, comm_time[:, 1:top] - load[:, 1:top])  # stage j overlaps exchange j
     surplus = np.maximum(0.0, load[:, 0] - comm_time[:, 0])
     upto = np.minimum(np.cumsum(share * gaps, axis=1), surplus[:, None])  # [P, top - 1] work placed up to stage j
-    found = _stage0_remote_kv_groups(stage, kv, rank, home, compute, upto[:, -1] > 0)
+    found = _stage0_remote_kv_groups(stage, kv, rank, home, compute, upto[:, -1] > 0, ranks_per_node)
     if found is None:
         return stage
     idx, of_tile, group_rank, group_c = found
@@ -575,12 +586,12 @@ class Finisher:
         nbytes = row_bytes(rows, self.block_len, **self.sizes)
         return groups, self.cost_model.stage_comm_time(rows, nbytes, self.P, num_stages)
 
-    def deferred(self, placement: Placement) -> Placement:
+    def deferred(self, placement: Placement, node_local: bool = True) -> Placement:
         """``placement`` (finished from this Finisher's homes, ranks and forward stages) with its backward
-        restaged by rounds of ``defer_backward_groups``: up to DEFER_ROUNDS into the stages before the
-        last, then up to DEFER_ROUNDS into the last one too. Each round tries both group orders and
-        keeps the faster, if the backward then simulates faster (the first round that does not gain
-        ends a phase). ``placement`` itself unless the result is faster."""
+        restaged by rounds of ``defer_backward_groups`` (``_deferred_rounds``), once over any remote-KV
+        group and, with ``node_local`` on several nodes, once with the node-local variants too
+        (``DEFER_VARIANT_SETS``); the faster backward is kept. ``placement`` itself unless the result
+        is faster."""
         sched, kv_relay = placement.schedule, placement.kv_relay
         S = sched.num_stages
         if S < 3 or not np.array_equal(self.stage, placement.tile_stage):
@@ -590,30 +601,16 @@ class Finisher:
         # own staging instead ends slower as often as not: 9 of 57 multi-node evaluation plans 0.1-1.7%
         # slower, 2 faster.
         plain = self._plain_backward(S)[0]
-        unspread, spread, groups, comm = choose_backward_staging(
+        start = choose_backward_staging(
             plain, self._backward_transfers(kv_relay, S, plain), lambda st: self._backward_transfers(kv_relay, S, st),
             lambda st, c: self._backward_time(st, c, S), q=self.tiles.q, kv=self.tiles.kv, rank=self.rank,
             home=self.home, compute=self.compute_bwd, world_size=self.P, num_stages=S)
-        best = self._backward_time(unspread, comm, S)[1]
-        for into_last in (False, True):
-            for _ in range(DEFER_ROUNDS):
-                load = np.bincount(self.rank * S + spread, weights=self.compute_bwd,
-                                   minlength=self.P * S).reshape(self.P, S)
-                tried, found = [], None
-                for largest_first in (False, True):
-                    cand = defer_backward_groups(unspread, self.tiles.kv, self.rank, self.home, self.compute_bwd,
-                                                 load, comm, largest_first=largest_first, into_last=into_last)
-                    if cand is unspread or any(np.array_equal(cand, other) for other in tried):
-                        continue
-                    tried.append(cand)
-                    cand_groups, cand_comm = self._backward_transfers(kv_relay, S, cand)
-                    cand_spread, cand_time = self._backward_time(cand, cand_comm, S)
-                    # (a relative margin: these costs sum the rows in another order than the schedule's)
-                    if cand_time < (best if found is None else found[-1]) * (1 - 1e-9):
-                        found = (cand, cand_spread, cand_groups, cand_comm, cand_time)
-                if found is None:
-                    break
-                unspread, spread, groups, comm, best = found
+        # the rounds are greedy: each set of variants is followed on its own path, the faster end kept
+        one_node = self.P <= self.cost_model.topology.ranks_per_node or not node_local  # (one node: one path)
+        memo = {}  # the paths share their first rounds' candidates
+        ends = [self._deferred_rounds(start, kv_relay, S, variants, memo)
+                for variants in DEFER_VARIANT_SETS[: 1 if one_node else None]]
+        _, spread, groups, _, _ = min(ends, key=lambda end: end[-1])  # (first of equals: the plain variants)
         sched = schedule_from_groups(self.home, *self._forward_groups(), num_blocks=self.tiles.num_blocks,
                                      num_stages=S, world_size=self.P, kv_relay=kv_relay, bwd_groups=groups)
         comm = self._comm(sched, ("fwd", "bwd"))
@@ -627,6 +624,41 @@ class Finisher:
         if sim_time >= placement.sim_time:
             return placement
         return replace(placement, schedule=sched, tile_stage_bwd=spread, sim_time=sim_time)
+
+    def _deferred_rounds(self, start: tuple, kv_relay, S: int, variants: tuple, memo: dict) -> tuple:
+        """(unspread, spread, groups, comm, backward time) after the deferral rounds from ``start`` (a
+        ``choose_backward_staging`` result): up to DEFER_ROUNDS into the stages before the last, then up
+        to DEFER_ROUNDS into the last one too. Each round tries the ``variants`` ((largest_first,
+        node_local) pairs of ``defer_backward_groups``) and keeps the fastest, if the backward then
+        simulates faster; the first round that does not gain ends a phase. ``memo``: candidate stages
+        (bytes) -> their (groups, comm, spread, time), shared with the other paths."""
+        rpn = self.cost_model.topology.ranks_per_node
+        unspread, spread, groups, comm = start
+        best = self._backward_time(unspread, comm, S)[1]
+        for into_last in (False, True):
+            for _ in range(DEFER_ROUNDS):
+                load = np.bincount(self.rank * S + spread, weights=self.compute_bwd,
+                                   minlength=self.P * S).reshape(self.P, S)
+                tried, found = [], None
+                for largest_first, node_local in variants:
+                    cand = defer_backward_groups(unspread, self.tiles.kv, self.rank, self.home, self.compute_bwd,
+                                                 load, comm, largest_first=largest_first, into_last=into_last,
+                                                 ranks_per_node=rpn if node_local else None)
+                    if cand is unspread or any(np.array_equal(cand, other) for other in tried):
+                        continue
+                    tried.append(cand)
+                    key = cand.tobytes()
+                    if key not in memo:
+                        cand_groups, cand_comm = self._backward_transfers(kv_relay, S, cand)
+                        memo[key] = (cand_groups, cand_comm, *self._backward_time(cand, cand_comm, S))
+                    cand_groups, cand_comm, cand_spread, cand_time = memo[key]
+                    # (a relative margin: these costs sum the rows in another order than the schedule's)
+                    if cand_time < (best if found is None else found[-1]) * (1 - 1e-9):
+                        found = (cand, cand_spread, cand_groups, cand_comm, cand_time)
+                if found is None:
+                    break
+                unspread, spread, groups, comm, best = found
+        return unspread, spread, groups, comm, best
 
     def finish(self, kv_relay=None, *, spread_forward: bool = True, max_stages: int | None = None,
                score: bool = True) -> Placement:

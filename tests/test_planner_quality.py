@@ -386,6 +386,48 @@ def test_defer_backward_groups_fills_exposed_gaps_with_whole_remote_kv_groups():
     assert defer_backward_groups(stage, kv, rank, home, compute, load[:, :2], np.zeros((2, 3))) is stage
 
 
+def test_defer_backward_groups_node_local_leaves_groups_read_from_other_nodes_in_stage_0():
+    # rank 0 (node 0 of two ranks each) owns q-blocks 0-1 and reads kv-blocks 2-3 (home 1, same node)
+    # and 4-5 (home 2, another node); exchange 2 exposed by 8 s: any group may fill it, the latest
+    # kv-blocks (5, 4) first; node-local, only those of kv-blocks 3 and 2, whose dK/dV partials stay
+    # on NVLink (a partial that crosses nodes last, often through a relay's reduce, is left early)
+    from blockattn.planner.stages import defer_backward_groups
+
+    home = np.array([0, 0, 1, 1, 2, 2])
+    kv = np.repeat([2, 3, 4, 5], 2)
+    rank = np.zeros(8, dtype=np.int64)
+    stage = np.zeros(8, dtype=np.int64)
+    compute = np.full(8, 1.0)
+    load = np.array([[8.0, 0.0, 0.0, 0.0]] + [[0.0] * 4] * 3)
+    comm = np.array([[0.0, 0.0, 8.0, 0.0, 0.0]] + [[0.0] * 5] * 3)
+    anywhere = defer_backward_groups(stage, kv, rank, home, compute, load, comm)
+    assert anywhere.tolist() == [0, 0, 0, 0, 2, 2, 2, 2]
+    node_local = defer_backward_groups(stage, kv, rank, home, compute, load, comm, ranks_per_node=2)
+    assert node_local.tolist() == [2, 2, 2, 2, 0, 0, 0, 0]
+
+
+def test_node_local_deferral_path_keeps_cross_node_partials_early(monkeypatch):
+    """8 ranks, 4 per node, 30K tokens of long-tail documents, lambda mask (the spread pass's batch,
+    without that pass): the deferral rounds followed once more with node-local variants
+    (``DEFER_VARIANT_SETS``) keep the groups whose dK/dV partials cross nodes in backward stage 0, where
+    deferring them left a proxy's NIC sending the summed partials after all compute: 1.148 -> 1.077x
+    the bound. The plans are checked (make_plan's default)."""
+    import blockattn.planner.dcp as dcp_module
+    import blockattn.planner.stages as stages_module
+
+    spec = MaskSpec.documents(_long_tail_docs(1, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
+    monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
+
+    def over_bound():
+        clear_plan_cache()
+        return _over_bound(make_plan(spec, 8, block_size=128, topology=Topology(ranks_per_node=4), **HEADS).stats())
+
+    both = over_bound()
+    monkeypatch.setattr(stages_module, "DEFER_VARIANT_SETS", stages_module.DEFER_VARIANT_SETS[:1])
+    plain = over_bound()
+    assert both < 0.95 * plain
+
+
 def test_deferred_backward_hides_a_homes_idle_exchanges(monkeypatch):
     """16 ranks, 8 per node, three 8-24K-token documents among short ones: the homes of the long
     documents compute most of their backward in stage 0 and then wait on their helpers' partials;
@@ -401,7 +443,7 @@ def test_deferred_backward_hides_a_homes_idle_exchanges(monkeypatch):
         return _over_bound(s)
 
     deferred = step_over_bound()
-    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args: placement)
+    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
     clear_plan_cache()
     assert deferred < 0.95 * step_over_bound()
 
@@ -437,9 +479,14 @@ def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(mo
     """8 ranks, 4 per node, 30K tokens of long-tail documents, lambda mask: after the NIC-shy pass the plan
     is still over NIC_SHY_FROM x the bound, its home ranks sending the KV other nodes read through their
     own NICs. Its homes with those blocks dealt over their node's ranks (``_spread_homes``) plan faster:
-    1.148 -> 1.076x the bound, homes as dealt. The plans are checked (make_plan's default)."""
+    1.148 -> 1.076x the bound, homes as dealt. The backward deferral without its node-local path (which
+    alone brings this batch to 1.077x, so the spread pass would have nothing to do). The plans are
+    checked (make_plan's default)."""
     import blockattn.planner.dcp as dcp_module
+    import blockattn.planner.stages as stages_module
     from blockattn.planner.tiles import TileSet
+
+    monkeypatch.setattr(stages_module, "DEFER_VARIANT_SETS", stages_module.DEFER_VARIANT_SETS[:1])
 
     spec = MaskSpec.documents(_long_tail_docs(1, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
     topo = Topology(ranks_per_node=4)
@@ -568,7 +615,7 @@ def test_one_large_node_splits_the_backward_stages_where_faster(monkeypatch):
     import blockattn.planner.stages as stages_module
 
     monkeypatch.setattr(dcp_module, "SINGLE_NODE_INITS", ("fcp",))
-    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args: placement)
+    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
     lens = np.random.default_rng(2).integers(64, 4000, 40).tolist()
     spec = MaskSpec.documents(lens)
     topology = Topology(ranks_per_node=24)
@@ -661,7 +708,7 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch):
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.tiles import TileSet
 
-    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args: placement)
+    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
     monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
 
@@ -771,7 +818,7 @@ def test_one_large_node_is_restaged_where_faster(monkeypatch):
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.tiles import TileSet
 
-    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args: placement)
+    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
 
     spec = MaskSpec.documents([6000, 300, 500, 800, 200, 1200, 400, 700, 900, 1500, 600, 1100])
     topo = Topology(ranks_per_node=12)

@@ -418,7 +418,7 @@ def test_dcp_keeps_transit_relays_where_they_are_faster(monkeypatch):
     backward deferral, which is decided after the relays and would change both plans compared."""
     from blockattn.planner import dcp as dcp_module
 
-    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args: placement)
+    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
 
     spec = MaskSpec.documents([6000, 5000, 800])
     topology = Topology(ranks_per_node=2)
