@@ -51,7 +51,7 @@ from .cost_model import CostModel
 from .placement import Placement, compact_stages, run_heads
 from .stages import (Finisher, backward_stages, backward_time, choose_backward_staging,
                      local_tiles_by_rank, local_work, spread_backward_local)
-from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, as_relay_table, input_groups,
+from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, InputGroups, as_relay_table,
                        payload_bytes, receive_groups, row_bytes, schedule_rows)
 from .tiles import TileSet
 
@@ -371,10 +371,8 @@ class _Scorer:
         """(backward stages, their (q, kv) receive groups) for ``num_stages``: they follow from what
         each tile sends and needs (planner/stages.py backward_stages), not from the forward stages."""
         if num_stages not in self._bwd_cache:
-            t, nB, rq, rk = self.tiles, self.tiles.num_blocks, self.remote_q, self.remote_kv
-
-            def groups(stage_bwd):
-                return input_groups(self.rank, t.q, t.kv, stage_bwd, rq, rk, nB)
+            t, nB = self.tiles, self.tiles.num_blocks
+            groups = InputGroups(self.rank, t.q, t.kv, self.remote_q, self.remote_kv, nB)
 
             def bwd_comm(groups):
                 rows = schedule_rows(self.home, self.q_groups, self.kv_groups, num_blocks=nB, num_stages=num_stages,

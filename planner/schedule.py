@@ -180,6 +180,42 @@ def input_groups(rank: np.ndarray, q: np.ndarray, kv: np.ndarray, stage: np.ndar
             receive_groups(rank[remote_kv], kv[remote_kv], stage[remote_kv], num_blocks))
 
 
+class InputGroups:
+    """``input_groups`` for fixed tile ranks and remote flags under any per-tile stages: which tiles
+    form each (rank, block) group is worked out once (a sort), so each staging costs a gather and
+    two segment reductions instead of a pass over the [P, nB] grid (a placement's stagings are tried
+    by the dozen: backward splits, deferral rounds, relay variants)."""
+
+    def __init__(self, rank: np.ndarray, q: np.ndarray, kv: np.ndarray, remote_q: np.ndarray, remote_kv: np.ndarray,
+                 num_blocks: int):
+        self._parts = [_grouping(rank, block, np.flatnonzero(remote), num_blocks)
+                       for block, remote in ((q, remote_q), (kv, remote_kv))]
+
+    def __call__(self, stage: np.ndarray) -> tuple:
+        stage = np.asarray(stage, dtype=np.int64)
+        out = []
+        for tiles, heads, group_rank, group_block in self._parts:
+            if tiles.size == 0:
+                out.append((group_rank, group_block, group_rank, group_rank))
+                continue
+            s = stage[tiles]
+            out.append((group_rank, group_block, np.minimum.reduceat(s, heads), np.maximum.reduceat(s, heads)))
+        return tuple(out)
+
+
+def _grouping(rank: np.ndarray, block: np.ndarray, tiles: np.ndarray, num_blocks: int) -> tuple:
+    """(tiles ordered by ``rank * nB + block``, each group's first position, each group's rank and
+    block) of the given tile indices, as ``receive_groups`` orders its groups; read-only."""
+    key = rank[tiles] * num_blocks + block[tiles]
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    heads = run_heads(key)
+    parts = (tiles[order], np.flatnonzero(heads), key[heads] // num_blocks, key[heads] % num_blocks)
+    for part in parts:
+        part.setflags(write=False)
+    return parts
+
+
 def _rows(stage, src, dst, kind: int, block) -> np.ndarray:
     return np.stack([stage, src, dst, np.full_like(stage, kind), block], axis=1)
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages, first_occurrence, prefix_sums, run_heads
-from .schedule import (KIND_KV, KIND_Q, input_groups, payload_bytes, row_bytes, schedule_from_groups,
+from .schedule import (KIND_KV, KIND_Q, InputGroups, payload_bytes, row_bytes, schedule_from_groups,
                        schedule_rows)
 
 # ``defer_backward_groups``: the share of each exposed backward gap a rank's deferred groups fill, and
@@ -529,14 +529,17 @@ class Finisher:
                                              head_dim=sizes["head_dim"]) / cost_model.fwd_rate
         self.compute_bwd = self.compute * cost_model.bwd_flops_factor
         self._fwd_groups = None
+        self._input_groups = None  # InputGroups of these ranks, once a staging needs its groups
         self._plain_bwd = {}  # num_stages -> (class-rule backward stages, their receive groups)
         self._local_work = None
         self._own_movable = None  # own_row_movable of the forward stages (the same under every relay table)
 
     def _groups(self, stage: np.ndarray) -> tuple:
         """(q, kv) ``receive_groups`` of the remote inputs under per-tile ``stage``."""
-        t = self.tiles
-        return input_groups(self.rank, t.q, t.kv, stage, self.remote_q, self.remote_kv, t.num_blocks)
+        if self._input_groups is None:
+            t = self.tiles
+            self._input_groups = InputGroups(self.rank, t.q, t.kv, self.remote_q, self.remote_kv, t.num_blocks)
+        return self._input_groups(stage)
 
     def _forward_groups(self) -> tuple:
         # moving purely local tiles between stages (the forward spread) changes no remote tile's stage

@@ -182,3 +182,24 @@ def test_bad_shard_and_unshard_arguments():
         plan.unshard(torch.zeros(10))
     with pytest.raises(ValueError, match="Topology"):
         Topology(ranks_per_node=0)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=masks(), world_size=st.integers(1, 7), block=st.sampled_from([16, 32, 64]), seed=st.integers(0, 2**16))
+def test_input_groups_grouped_once_match_the_dense_groups_under_any_staging(spec, world_size, block, seed):
+    """``InputGroups`` (the tiles of each (rank, block) input found once, per staging two segment
+    reductions) gives exactly ``input_groups`` under random homes, tile ranks and stagings."""
+    from blockattn.planner.schedule import InputGroups, input_groups
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(spec.block_mask(block))
+    rng = np.random.default_rng(seed)
+    home = rng.integers(0, world_size, tiles.num_blocks)
+    rank = rng.integers(0, world_size, tiles.num_tiles)
+    remote_q, remote_kv = home[tiles.q] != rank, home[tiles.kv] != rank
+    grouped = InputGroups(rank, tiles.q, tiles.kv, remote_q, remote_kv, tiles.num_blocks)
+    for _ in range(3):
+        stage = rng.integers(0, 5, tiles.num_tiles)
+        expected = input_groups(rank, tiles.q, tiles.kv, stage, remote_q, remote_kv, tiles.num_blocks)
+        for got, want in zip(grouped(stage), expected):
+            assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
