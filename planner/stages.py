@@ -609,10 +609,11 @@ class Finisher:
             lambda st, c: self._backward_time(st, c, S), q=self.tiles.q, kv=self.tiles.kv, rank=self.rank,
             home=self.home, compute=self.compute_bwd, world_size=self.P, num_stages=S)
         # the rounds are greedy: each set of variants is followed on its own path, the faster end kept
-        one_node = self.P <= self.cost_model.topology.ranks_per_node or not node_local  # (one node: one path)
+        # (on one node every group is node-local: the second path would repeat the first)
+        single_path = not node_local or self.P <= self.cost_model.topology.ranks_per_node
         memo = {}  # the paths share their first rounds' candidates
         ends = [self._deferred_rounds(start, kv_relay, S, variants, memo)
-                for variants in DEFER_VARIANT_SETS[: 1 if one_node else None]]
+                for variants in DEFER_VARIANT_SETS[: 1 if single_path else None]]
         _, spread, groups, _, _ = min(ends, key=lambda end: end[-1])  # (first of equals: the plain variants)
         sched = schedule_from_groups(self.home, *self._forward_groups(), num_blocks=self.tiles.num_blocks,
                                      num_stages=S, world_size=self.P, kv_relay=kv_relay, bwd_groups=groups)
