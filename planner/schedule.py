@@ -172,19 +172,12 @@ def receive_groups(rank: np.ndarray, block: np.ndarray, stage: np.ndarray, num_b
     return uniq // num_blocks, uniq % num_blocks, first[uniq], last[uniq]
 
 
-def input_groups(rank: np.ndarray, q: np.ndarray, kv: np.ndarray, stage: np.ndarray, remote_q: np.ndarray,
-                 remote_kv: np.ndarray, num_blocks: int) -> tuple:
-    """(q, kv) ``receive_groups`` of the tiles' remote q-blocks (``remote_q``) and kv-blocks (``remote_kv``)
-    under per-tile ``stage``: one receive group per remote (rank, block) input."""
-    return (receive_groups(rank[remote_q], q[remote_q], stage[remote_q], num_blocks),
-            receive_groups(rank[remote_kv], kv[remote_kv], stage[remote_kv], num_blocks))
-
-
 class InputGroups:
-    """``input_groups`` for fixed tile ranks and remote flags under any per-tile stages: which tiles
-    form each (rank, block) group is worked out once (a sort), so each staging costs a gather and
-    two segment reductions instead of a pass over the [P, nB] grid (a placement's stagings are tried
-    by the dozen: backward splits, deferral rounds, relay variants)."""
+    """The (q, kv) ``receive_groups`` of the tiles' remote q-blocks (``remote_q``) and kv-blocks
+    (``remote_kv``), for fixed tile ranks, under any per-tile stages: one receive group per remote
+    (rank, block) input. Which tiles form each group is worked out once (a sort), so each staging
+    costs a gather and two segment reductions instead of a pass over the [P, nB] grid (a placement's
+    stagings are tried by the dozen: backward splits, deferral rounds, relay variants)."""
 
     def __init__(self, rank: np.ndarray, q: np.ndarray, kv: np.ndarray, remote_q: np.ndarray, remote_kv: np.ndarray,
                  num_blocks: int):
@@ -259,12 +252,7 @@ def derive_schedule(block_home, tile_q, tile_kv, tile_rank, tile_stage, *, num_b
     kv = np.asarray(tile_kv, dtype=np.int64)
     rank = np.asarray(tile_rank, dtype=np.int64)
     stage = np.asarray(tile_stage, dtype=np.int64)
-    remote_q = home[q] != rank
-    remote_kv = home[kv] != rank
-
-    def groups(stages):
-        return input_groups(rank, q, kv, stages, remote_q, remote_kv, num_blocks)
-
+    groups = InputGroups(rank, q, kv, home[q] != rank, home[kv] != rank, num_blocks)
     bwd_groups = None if tile_stage_bwd is None else groups(np.asarray(tile_stage_bwd, dtype=np.int64))
     return schedule_from_groups(home, *groups(stage), num_blocks=num_blocks, num_stages=num_stages,
                                 world_size=world_size, kv_relay=kv_relay, bwd_groups=bwd_groups)

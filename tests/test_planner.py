@@ -188,8 +188,9 @@ def test_bad_shard_and_unshard_arguments():
 @given(spec=masks(), world_size=st.integers(1, 7), block=st.sampled_from([16, 32, 64]), seed=st.integers(0, 2**16))
 def test_input_groups_grouped_once_match_the_dense_groups_under_any_staging(spec, world_size, block, seed):
     """``InputGroups`` (the tiles of each (rank, block) input found once, per staging two segment
-    reductions) gives exactly ``input_groups`` under random homes, tile ranks and stagings."""
-    from blockattn.planner.schedule import InputGroups, input_groups
+    reductions) gives exactly the dense ``receive_groups`` of the remote q- and kv-blocks under random
+    homes, tile ranks and stagings."""
+    from blockattn.planner.schedule import InputGroups, receive_groups
     from blockattn.planner.tiles import TileSet
 
     tiles = TileSet.from_block_mask(spec.block_mask(block))
@@ -200,6 +201,7 @@ def test_input_groups_grouped_once_match_the_dense_groups_under_any_staging(spec
     grouped = InputGroups(rank, tiles.q, tiles.kv, remote_q, remote_kv, tiles.num_blocks)
     for _ in range(3):
         stage = rng.integers(0, 5, tiles.num_tiles)
-        expected = input_groups(rank, tiles.q, tiles.kv, stage, remote_q, remote_kv, tiles.num_blocks)
+        expected = [receive_groups(rank[remote], block[remote], stage[remote], tiles.num_blocks)
+                    for block, remote in ((tiles.q, remote_q), (tiles.kv, remote_kv))]
         for got, want in zip(grouped(stage), expected):
             assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
