@@ -65,7 +65,8 @@ node's blocks that other nodes read dealt over its ranks, and from the homes of 
 every first-pass finalist), refined alike; its finalists within ``RECHECK`` of the fastest go to
 full resolution and get their transit relays before they are compared, and the fastest plan is kept.
 Batches with many tiles are planned on merged blocks (``coarsen``) and mapped back, which keeps
-planning time near-linear in the batch. Last, the kept plan's backward defers whole remote-KV groups
+planning time near-linear in the batch (on one node from half as many tiles, and with the merged
+tiles' backward stages mapped back too, ``ONE_NODE_COARSE_TILE_LIMIT``). Last, the kept plan's backward defers whole remote-KV groups
 out of stage 0 into the stages whose exchanges it leaves exposed, where faster
 (``with_deferred_backward``; not for a large one-node batch planned on merged blocks); on several
 nodes its greedy rounds are followed twice, the second time also trying to defer only groups whose
@@ -120,6 +121,14 @@ BASELINE_MARGIN = 1.25  # a baseline this much slower on merged blocks is not re
 # Large batches are planned on merged blocks (2x2, 4x4, ... tiles) while that keeps >= 32 merged
 # blocks per rank (memory balance within ~3%); the result is mapped back to the real blocks.
 COARSE_TILE_LIMIT = 16384
+# On one node from half as many tiles: there the fine plan inherits its merged tiles' backward stages
+# too, so the real blocks cost one schedule derivation, and NVLink-bound plans lose little on merged
+# blocks. Over 70 one-node 128K / 8 cases (the bench's batches, seeds 0 and 1, every mask, and 20
+# held-out Wikipedia batches) fwd + bwd over the bound geomean 1.0159 -> 1.0157 (max 1.033 -> 1.029,
+# 17 plans changed: 8 faster, 9 slower, the most 1.0196 -> 1.0286), planning mean 14.1 -> 13.1 ms
+# (held-out median 8.3 -> 7.8 ms). On several nodes the real blocks pay: 16 ranks merged from 8192
+# tiles, 10 of 126 plans changed, 16 / 8 geomean 1.030 -> 1.035 and 1.064 -> 1.067.
+ONE_NODE_COARSE_TILE_LIMIT = 8192
 # Several candidates: ranked on 2x-merged blocks first (>= 32 merged blocks per rank, batches of
 # >= 2048 tiles), and only the best SELECT_KEEP are planned at full resolution.
 SELECT_MIN_TILES = 2048
@@ -465,9 +474,17 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
     load = np.bincount(placement.tile_rank * S + stage_bwd, weights=compute_bwd, minlength=world_size * S)
     table = placement.schedule.table("bwd").numpy().astype(np.int64)
     comm = cost_model.stage_comm_time(table, row_bytes(table, tiles.block_lengths(), **sizes), world_size, S)
+    # (with every variant Finisher.deferred may try: a node-local one draws from fewer groups, so the
+    # groups before a large one can fit where the plain variants fit none; no plan of the 126
+    # multi-node cases of seeds 0 and 1 changed by it)
+    rpn = cost_model.topology.ranks_per_node
+    variants = [(False, None), (True, None)]
+    if node_local and world_size > rpn:
+        variants += [(False, rpn), (True, rpn)]
     if all(defer_backward_groups(stage_bwd, tiles.kv, placement.tile_rank, placement.block_home, compute_bwd,
-                                 load.reshape(world_size, S), comm, largest_first=largest_first, into_last=True)
-           is stage_bwd for largest_first in (False, True)):
+                                 load.reshape(world_size, S), comm, largest_first=largest_first, into_last=True,
+                                 ranks_per_node=by_node)
+           is stage_bwd for largest_first, by_node in variants):
         return placement
     return Finisher(tiles, placement.block_home, placement.tile_rank, placement.tile_stage, world_size=world_size,
                     cost_model=cost_model, sizes=sizes).deferred(placement, node_local=node_local)
@@ -491,7 +508,7 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         result = _fewest_bytes(tiles, firsts, GOOD_ENOUGH * bound, sizes)
     else:
         result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
-    if init is not None or world_size == 1 or (one_node and coarsening_factor(tiles, world_size) > 1):
+    if init is not None or world_size == 1 or (one_node and coarsening_factor(tiles, world_size, one_node) > 1):
         return result  # (a large batch on one node: NVLink-bound, the balanced candidates win)
     # Checked at full resolution against the zigzag baselines (ring stages, or all KV in one stage),
     # so dcp is never slower than them in the cost model - also after planning on merged blocks, the
@@ -503,7 +520,7 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         # restaged as the multi-node finalists are, kept where faster (32 ranks on one NVLink domain,
         # Wikipedia batches with bf16 partials: 1.32 -> 1.22, 1.23 -> 1.20, 1.10 -> 1.03 x the bound)
         result = _restaged(tiles, result, world_size, cost_model, max_stages, sizes)
-    factor = coarsening_factor(tiles, world_size)
+    factor = coarsening_factor(tiles, world_size, one_node)
     for name in BASELINE_INITS:
         if factor > 1:
             # A baseline's time barely depends on the block size (the same chunks, merged): one that is
@@ -570,7 +587,7 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     ``opinion_inits`` and no seed home that survives merging the blocks. ``every_finalist``: the
     (refined) finalists within RECHECK of the fastest, fastest first, instead of the fastest alone.
     ``nic_scale``: the balancer sees the inter-node bandwidth times this (NIC_SHY_SCALES)."""
-    factor = coarsening_factor(tiles, world_size)
+    factor = coarsening_factor(tiles, world_size, world_size <= cost_model.topology.ranks_per_node)
     if factor > 1:
         coarse, of_fine = coarsen(tiles, factor)
         if second_opinion is not None:
@@ -584,8 +601,15 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
         for plan in plans if every_finalist else [plans]:
             # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
             # inputs, so they are home / received by that stage; the schedule is derived afresh.
+            # On one node the backward stages are inherited too (the same reasoning: a fine tile's dO
+            # is part of its merged tile's), so make_plan derives the fine schedule once instead of
+            # choosing the backward staging again over every fine tile: 50 one-node 128K / 8 plans
+            # on merged blocks 15-40% faster, fwd + bwd over the bound within +-0.06% (geomean 1.0158 ->
+            # 1.0159). On several nodes every fine plan is finished and scored again anyway.
+            inherit = world_size <= cost_model.topology.ranks_per_node and plan.tile_stage_bwd is not None
             fine = Placement(block_home=plan.block_home[np.arange(tiles.num_blocks) // factor],
-                             tile_rank=plan.tile_rank[of_fine], tile_stage=plan.tile_stage[of_fine])
+                             tile_rank=plan.tile_rank[of_fine], tile_stage=plan.tile_stage[of_fine],
+                             tile_stage_bwd=plan.tile_stage_bwd[of_fine] if inherit else None)
             # relays found on merged blocks do not carry over (the fine schedule is derived afresh)
             if relays:
                 fine = add_relays(tiles, fine, world_size=world_size, cost_model=cost_model, max_stages=max_stages,
@@ -789,10 +813,12 @@ def _preselect(tiles: TileSet, world_size: int, inits: list, cost_model: CostMod
     return [name for _t, _i, name in sorted(scored)[:SELECT_KEEP]]
 
 
-def coarsening_factor(tiles: TileSet, world_size: int) -> int:
-    """Power of two by which to merge blocks before planning (1: plan the real blocks)."""
+def coarsening_factor(tiles: TileSet, world_size: int, one_node: bool = False) -> int:
+    """Power of two by which to merge blocks before planning (1: plan the real blocks); ``one_node``:
+    the ranks share one node (``ONE_NODE_COARSE_TILE_LIMIT``)."""
+    limit = ONE_NODE_COARSE_TILE_LIMIT if one_node else COARSE_TILE_LIMIT
     factor = 1
-    while (tiles.num_tiles > COARSE_TILE_LIMIT * factor * factor
+    while (tiles.num_tiles > limit * factor * factor
            and tiles.num_blocks // (2 * factor) >= MIN_COARSE_BLOCKS_PER_RANK * world_size):
         factor *= 2
     return factor
