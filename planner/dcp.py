@@ -65,8 +65,8 @@ node's blocks that other nodes read dealt over its ranks, and from the homes of 
 every first-pass finalist), refined alike; its finalists within ``RECHECK`` of the fastest go to
 full resolution and get their transit relays before they are compared, and the fastest plan is kept.
 Batches with many tiles are planned on merged blocks (``coarsen``) and mapped back, which keeps
-planning time near-linear in the batch (on one node from half as many tiles, and with the merged
-tiles' backward stages mapped back too, ``ONE_NODE_COARSE_TILE_LIMIT``). Last, the kept plan's backward defers whole remote-KV groups
+planning time near-linear in the batch (on one node with the merged tiles' backward stages mapped
+back too). Last, the kept plan's backward defers whole remote-KV groups
 out of stage 0 into the stages whose exchanges it leaves exposed, where faster
 (``with_deferred_backward``; not for a large one-node batch planned on merged blocks); on several
 nodes its greedy rounds are followed twice, the second time also trying to defer only groups whose
@@ -121,14 +121,6 @@ BASELINE_MARGIN = 1.25  # a baseline this much slower on merged blocks is not re
 # Large batches are planned on merged blocks (2x2, 4x4, ... tiles) while that keeps >= 32 merged
 # blocks per rank (memory balance within ~3%); the result is mapped back to the real blocks.
 COARSE_TILE_LIMIT = 16384
-# On one node from half as many tiles: there the fine plan inherits its merged tiles' backward stages
-# too, so the real blocks cost one schedule derivation, and NVLink-bound plans lose little on merged
-# blocks. Over 70 one-node 128K / 8 cases (the bench's batches, seeds 0 and 1, every mask, and 20
-# held-out Wikipedia batches) fwd + bwd over the bound geomean 1.0159 -> 1.0157 (max 1.033 -> 1.029,
-# 17 plans changed: 8 faster, 9 slower, the most 1.0196 -> 1.0286), planning mean 14.1 -> 13.1 ms
-# (held-out median 8.3 -> 7.8 ms). On several nodes the real blocks pay: 16 ranks merged from 8192
-# tiles, 10 of 126 plans changed, 16 / 8 geomean 1.030 -> 1.035 and 1.064 -> 1.067.
-ONE_NODE_COARSE_TILE_LIMIT = 8192
 # Several candidates: ranked on 2x-merged blocks first (>= 32 merged blocks per rank, batches of
 # >= 2048 tiles), and only the best SELECT_KEEP are planned at full resolution.
 SELECT_MIN_TILES = 2048
@@ -508,7 +500,7 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         result = _fewest_bytes(tiles, firsts, GOOD_ENOUGH * bound, sizes)
     else:
         result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
-    if init is not None or world_size == 1 or (one_node and coarsening_factor(tiles, world_size, one_node) > 1):
+    if init is not None or world_size == 1 or (one_node and coarsening_factor(tiles, world_size) > 1):
         return result  # (a large batch on one node: NVLink-bound, the balanced candidates win)
     # Checked at full resolution against the zigzag baselines (ring stages, or all KV in one stage),
     # so dcp is never slower than them in the cost model - also after planning on merged blocks, the
@@ -520,7 +512,7 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         # restaged as the multi-node finalists are, kept where faster (32 ranks on one NVLink domain,
         # Wikipedia batches with bf16 partials: 1.32 -> 1.22, 1.23 -> 1.20, 1.10 -> 1.03 x the bound)
         result = _restaged(tiles, result, world_size, cost_model, max_stages, sizes)
-    factor = coarsening_factor(tiles, world_size, one_node)
+    factor = coarsening_factor(tiles, world_size)
     for name in BASELINE_INITS:
         if factor > 1:
             # A baseline's time barely depends on the block size (the same chunks, merged): one that is
@@ -587,7 +579,7 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     ``opinion_inits`` and no seed home that survives merging the blocks. ``every_finalist``: the
     (refined) finalists within RECHECK of the fastest, fastest first, instead of the fastest alone.
     ``nic_scale``: the balancer sees the inter-node bandwidth times this (NIC_SHY_SCALES)."""
-    factor = coarsening_factor(tiles, world_size, world_size <= cost_model.topology.ranks_per_node)
+    factor = coarsening_factor(tiles, world_size)
     if factor > 1:
         coarse, of_fine = coarsen(tiles, factor)
         if second_opinion is not None:
@@ -813,12 +805,10 @@ def _preselect(tiles: TileSet, world_size: int, inits: list, cost_model: CostMod
     return [name for _t, _i, name in sorted(scored)[:SELECT_KEEP]]
 
 
-def coarsening_factor(tiles: TileSet, world_size: int, one_node: bool = False) -> int:
-    """Power of two by which to merge blocks before planning (1: plan the real blocks); ``one_node``:
-    the ranks share one node (``ONE_NODE_COARSE_TILE_LIMIT``)."""
-    limit = ONE_NODE_COARSE_TILE_LIMIT if one_node else COARSE_TILE_LIMIT
+def coarsening_factor(tiles: TileSet, world_size: int) -> int:
+    """Power of two by which to merge blocks before planning (1: plan the real blocks)."""
     factor = 1
-    while (tiles.num_tiles > limit * factor * factor
+    while (tiles.num_tiles > COARSE_TILE_LIMIT * factor * factor
            and tiles.num_blocks // (2 * factor) >= MIN_COARSE_BLOCKS_PER_RANK * world_size):
         factor *= 2
     return factor
