@@ -90,7 +90,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .balance import Balancer, pushed_rows
+from .balance import balanced_ranks, pushed_rows
 from .cost_model import CostModel
 from .placement import Placement, balanced_bounds, prefix_sums, runs_to_home
 from .relay import add_relays, add_transit
@@ -893,8 +893,8 @@ def _balanced(tiles: TileSet, world_size: int, init: str | None, cost_model: Cos
     if nic_scale != 1.0:
         topology = replace(topology, inter_bw=topology.inter_bw * nic_scale)
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
-    rank = Balancer(tiles, home, flops / cost_model.fwd_rate, world_size, topology,
-                    relay_aware=relay_aware, spread_sends=spread_sends, start=start, **sizes).run()
+    rank = balanced_ranks(tiles, home, flops / cost_model.fwd_rate, world_size, topology, start=start,
+                          relay_aware=relay_aware, spread_sends=spread_sends, **sizes)
     return home, rank
 
 

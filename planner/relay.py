@@ -49,8 +49,8 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages, run_heads
-from .stages import (Finisher, backward_stages, backward_time, choose_backward_staging,
-                     local_tiles_by_rank, local_work, spread_backward_local)
+from .stages import (Finisher, LocalWork, backward_stages, backward_time, choose_backward_staging,
+                     spread_backward_local)
 from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, InputGroups, as_relay_table,
                        payload_bytes, receive_groups, row_bytes, schedule_rows)
 from .tiles import TileSet
@@ -363,8 +363,8 @@ class _Scorer:
                                         minlength=self.P * (num_stages + 1)).reshape(self.P, num_stages + 1)
         self.remote_kv = home[tiles.kv] != rank
         self.compute_bwd_time = self.compute_time * cost_model.bwd_flops_factor
-        self.local_work = local_work(local_tiles_by_rank(rank, ~self.remote_q & ~self.remote_kv), rank,
-                                     self.compute_bwd_time, world_size)
+        self.local_work = LocalWork(np.flatnonzero(~self.remote_q & ~self.remote_kv), rank, self.compute_bwd_time,
+                                    world_size)
         self._bwd_cache = {}
 
     def _backward(self, num_stages: int):

@@ -15,7 +15,7 @@ stage of its last-arriving item.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import NamedTuple
+from functools import cached_property
 
 import numpy as np
 
@@ -225,13 +225,14 @@ def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, i
         world_size, S + 1)
     last = S if extra_stage else S - 1
     gaps = np.maximum(0.0, comm_time[:, 1:last + 1] - compute[:, 1:last + 1])  # stage s overlaps exchange s
+    if not gaps.any():
+        return stage  # (as _pour would: nothing exposed to fill)
     local0 = is_local & (stage == 0)
     movable = np.bincount(rank[local0], weights=seconds[local0], minlength=world_size) - comm_time[:, 0]
     # the last local tiles of a rank leave stage 0 first, into the latest gap first
-    order = np.flatnonzero(local0)[::-1]
-    order = order[np.argsort(rank[order], kind="stable")]
     fill = np.arange(last, 0, -1)
-    return _pour(stage, local_work(order, rank, seconds, world_size), gaps[:, fill - 1], movable, fill)
+    return _pour(stage, LocalWork(np.flatnonzero(local0)[::-1], rank, seconds, world_size), gaps[:, fill - 1],
+                 movable, fill)
 
 
 def own_row_movable(q: np.ndarray, kv: np.ndarray, stage: np.ndarray, rank: np.ndarray, home: np.ndarray) -> np.ndarray:
@@ -253,7 +254,7 @@ def own_row_movable(q: np.ndarray, kv: np.ndarray, stage: np.ndarray, rank: np.n
     return own & ~anchor
 
 
-def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, movable: np.ndarray,
+def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, movable,
                     comm_time: np.ndarray, *, world_size: int, num_stages: int,
                     extra_stage: bool = False) -> np.ndarray:
     """Move ``movable`` tiles (``own_row_movable``) into later stages whose exchanges would otherwise be
@@ -261,6 +262,7 @@ def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, mo
     stage from the latest, each stage's surplus over its own exchange fills the gaps after it. No
     transfer changes. ``seconds``: per-tile forward compute; ``comm_time`` [P, S + 1]. With
     ``extra_stage`` the last exchange counts as the gap of a new stage S (as ``spread_local_tiles``).
+    ``movable``: the bool mask, or a function giving it, called only where some exchange is exposed.
 
     Before it only purely local tiles were spread, and a home whose local tiles all hide exchange 0
     sat idle while its partials arrived (16 ranks / 8 per node, a Wikipedia causal batch: forward
@@ -270,25 +272,30 @@ def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, mo
     1.026). From every stage: fp32 a further 29 faster, 3 slower (<= 1.2%; 32 (32) 1.098 -> 1.086),
     bf16 32 / 2 (two long-tail plans 0.3% and 1.8% slower with 30-37% fewer bytes; 16 / 4 1.076 -> 1.061)."""
     S, P = num_stages, world_size
-    if S < 2 or not movable.any():
+    if S < 2:
         return stage
     width = S + 1 if extra_stage else S
     ranks = np.arange(P)
+    per = None  # per-rank compute per stage, recounted only after a pour moved tiles
     # from the latest stage down: a stage's surplus over its own exchange goes to the exposed gaps of the
     # stages after it, earliest first
     for source in range(S - 1, 0, -1):
-        per = np.bincount(rank * width + stage, weights=seconds, minlength=P * width).reshape(P, width)
+        if per is None:
+            per = np.bincount(rank * width + stage, weights=seconds, minlength=P * width).reshape(P, width)
         gaps = np.maximum(0.0, comm_time[:, :width] - per)
         gaps[:, : source + 1] = 0.0
         if not gaps.any():
             continue
+        if callable(movable):
+            movable = movable()
         cand = np.flatnonzero(movable & (stage == source))[::-1]
         if cand.size == 0:
             continue
-        cand = cand[np.argsort(rank[cand], kind="stable")]
         surplus = per[ranks, source] - comm_time[ranks, source]
         fill = np.arange(source + 1, width)
-        stage = _pour(stage, local_work(cand, rank, seconds, world_size), gaps[:, fill], surplus, fill)
+        poured = _pour(stage, LocalWork(cand, rank, seconds, world_size), gaps[:, fill], surplus, fill)
+        if poured is not stage:
+            stage, per = poured, None
     return stage
 
 
@@ -421,27 +428,32 @@ def choose_backward_staging(plain: np.ndarray, plain_transfers: tuple, derive, t
     return plain, spread, payload, comm
 
 
-def local_tiles_by_rank(rank: np.ndarray, is_local: np.ndarray) -> np.ndarray:
-    """Indices of the purely local tiles, grouped by rank (tile order kept inside a rank)."""
-    idx = np.flatnonzero(is_local)
-    return idx[np.argsort(rank[idx], kind="stable")]
+class LocalWork:
+    """Tiles that may move between stages (no transfer depends on them): ``tiles`` in the order they
+    leave (within a rank), ``total`` [P] their seconds per rank. Grouped by rank (``order``, stably, so
+    a rank keeps its tiles' order; ``rank``) with their seconds laid end to end per rank (``end``) on
+    first use only: most spreads find no exposed gap to fill, and on a one-node 128K / 8 plan that
+    grouping (a sort and a segmented cumsum) was ~10% of the planning time for nothing."""
 
+    def __init__(self, tiles: np.ndarray, rank: np.ndarray, seconds: np.ndarray, world_size: int):
+        self.tiles, self._rank_of, self._seconds = tiles, rank, seconds
+        # (bincount adds each bin's weights in input order, the grouped order's per rank: the same sums)
+        self.total = np.bincount(rank[tiles], weights=seconds[tiles], minlength=world_size)
 
-class LocalWork(NamedTuple):
-    """Tiles that may move between stages (no transfer depends on them), in the order they leave,
-    grouped by rank, with their seconds laid end to end per rank (``local_work``)."""
+    @cached_property
+    def order(self) -> np.ndarray:
+        """int64 tile indices, grouped by ascending rank."""
+        return self.tiles[np.argsort(self._rank_of[self.tiles], kind="stable")]
 
-    order: np.ndarray  # int64 tile indices, grouped by ascending rank
-    rank: np.ndarray  # int64 their ranks
-    end: np.ndarray  # float64 each tile's end position in its rank's list (seconds)
-    total: np.ndarray  # float64 [P] seconds per rank
+    @cached_property
+    def rank(self) -> np.ndarray:
+        """int64 the ranks of ``order``."""
+        return self._rank_of[self.order]
 
-
-def local_work(order: np.ndarray, rank: np.ndarray, seconds: np.ndarray, world_size: int) -> LocalWork:
-    """The LocalWork of ``order``'s tiles (grouped by rank) under per-tile ``seconds``; computed once
-    per placement, as every backward staging tried spreads the same local tiles."""
-    r, c = rank[order], seconds[order]
-    return LocalWork(order=order, rank=r, end=_grouped_cumsum(r, c), total=np.bincount(r, weights=c, minlength=world_size))
+    @cached_property
+    def end(self) -> np.ndarray:
+        """float64 each tile's end position in its rank's list (seconds)."""
+        return _grouped_cumsum(self.rank, self._seconds[self.order])
 
 
 def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarray, local: LocalWork,
@@ -450,9 +462,8 @@ def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarr
     stages whose next transfers (``comm_time`` [P, S + 1], backward) would otherwise be exposed:
     partials arriving at a home, dO leaving it. ``compute``: per-tile backward seconds. Each rank
     keeps in the local stage what hides its own next transfers and fills the gaps of the other
-    stages in order; the schedule is unchanged (local tiles move nothing). ``local``: the local tiles
-    as ``local_tiles_by_rank`` lists them (``local_work`` under ``compute``), all still in their
-    class-rule stage."""
+    stages in order; the schedule is unchanged (local tiles move nothing). ``local``: the LocalWork of
+    the purely local tiles in tile order under ``compute``, all still in their class-rule stage."""
     S, P = num_stages, world_size
     if S < 2:
         return stage
@@ -482,7 +493,7 @@ def _pour(stage: np.ndarray, local: LocalWork, gaps: np.ndarray, movable: np.nda
     forward and backward spreads (a local tile moves no transfer)."""
     P, F = gaps.shape
     movable = np.clip(movable, 0.0, None)
-    if local.order.size == 0 or F == 0 or not gaps.any() or not movable.any():
+    if local.tiles.size == 0 or F == 0 or not gaps.any() or not movable.any():
         return stage
     r, end, total = local.rank, local.end, local.total
     upto = np.minimum(np.cumsum(gaps, axis=1), movable[:, None])  # [P, F] work placed up to gap i
@@ -532,7 +543,7 @@ class Finisher:
         self._input_groups = None  # InputGroups of these ranks, once a staging needs its groups
         self._plain_bwd = {}  # num_stages -> (class-rule backward stages, their receive groups)
         self._local_work = None
-        self._own_movable = None  # own_row_movable of the forward stages (the same under every relay table)
+        self._own_movable = None  # (``_own_row_movable``)
 
     def _groups(self, stage: np.ndarray) -> tuple:
         """(q, kv) ``receive_groups`` of the remote inputs under per-tile ``stage``."""
@@ -540,6 +551,12 @@ class Finisher:
             t = self.tiles
             self._input_groups = InputGroups(self.rank, t.q, t.kv, self.remote_q, self.remote_kv, t.num_blocks)
         return self._input_groups(stage)
+
+    def _own_row_movable(self) -> np.ndarray:
+        """``own_row_movable`` of the forward stages (the same under every relay table), on first need."""
+        if self._own_movable is None:
+            self._own_movable = own_row_movable(self.tiles.q, self.tiles.kv, self.stage, self.rank, self.home)
+        return self._own_movable
 
     def _forward_groups(self) -> tuple:
         # moving purely local tiles between stages (the forward spread) changes no remote tile's stage
@@ -575,8 +592,7 @@ class Finisher:
     def _backward_time(self, stage_bwd: np.ndarray, comm_bwd: np.ndarray, num_stages: int) -> tuple:
         """``backward_time`` of ``stage_bwd`` (local tiles in their class-rule stage) under ``comm_bwd``."""
         if self._local_work is None:
-            self._local_work = local_work(local_tiles_by_rank(self.rank, self.local), self.rank, self.compute_bwd,
-                                          self.P)
+            self._local_work = LocalWork(np.flatnonzero(self.local), self.rank, self.compute_bwd, self.P)
         return backward_time(stage_bwd, self.compute_bwd, self.rank, self._local_work, comm_bwd, world_size=self.P,
                              num_stages=num_stages, cost_model=self.cost_model)
 
@@ -681,9 +697,7 @@ class Finisher:
             # moving local tiles between stages changes no transfer, so the schedule stays valid
             if spread_forward:
                 extra = max_stages is not None and num_stages <= max_stages
-                if self._own_movable is None:
-                    self._own_movable = own_row_movable(tiles.q, tiles.kv, stage, rank, home)
-                stage = spread_own_rows(stage, compute, rank, self._own_movable, comm["fwd"], world_size=P,
+                stage = spread_own_rows(stage, compute, rank, self._own_row_movable, comm["fwd"], world_size=P,
                                         num_stages=num_stages, extra_stage=extra)
                 stage = spread_local_tiles(stage, compute * cost_model.fwd_rate, rank, self.local, comm["fwd"],
                                            world_size=P, num_stages=num_stages, fwd_rate=cost_model.fwd_rate,
@@ -699,7 +713,7 @@ class Finisher:
                     else:  # a DKV reduce tree may find room in the new stage
                         stage_bwd, sched, comm = schedule_and_comm(num_stages)
             if self._local_work is None:
-                self._local_work = local_work(local_tiles_by_rank(rank, self.local), rank, compute_bwd, P)
+                self._local_work = LocalWork(np.flatnonzero(self.local), rank, compute_bwd, P)
 
             def spread_and_time(stage_bwd, comm_bwd):
                 return backward_time(stage_bwd, compute_bwd, rank, self._local_work, comm_bwd, world_size=P,

@@ -661,6 +661,26 @@ def test_one_large_node_splits_the_backward_stages_where_faster(monkeypatch):
     assert split < 0.98 * step_over_bound()
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=12), st.integers(1, 9), st.integers(1, 4),
+       st.booleans(), st.booleans())
+def test_balanced_ranks_skips_only_a_balancer_that_would_move_nothing(lens, world_size, per_node, dealt, aware):
+    """``balanced_ranks`` (dcp's entry to the Balancer) gives the Balancer's tile ranks on any batch:
+    where the start is already within the cap, without building it."""
+    from blockattn.planner.balance import Balancer, balanced_ranks
+    from blockattn.planner.dcp import contiguous_cut_home
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(64))
+    home = contiguous_cut_home(tiles, world_size)
+    compute = tiles.pairs.astype(np.float64)
+    start = np.arange(tiles.num_tiles) % world_size if dealt else None
+    topology = Topology(ranks_per_node=per_node)
+    sizes = dict(element_size=2, grad_element_size=4, relay_aware=aware, **HEADS)
+    expected = Balancer(tiles, home, compute, world_size, topology, start=start, **sizes).run()
+    assert np.array_equal(balanced_ranks(tiles, home, compute, world_size, topology, start=start, **sizes), expected)
+
+
 def test_relay_aware_balancer_prices_kv_held_on_the_node_as_nvlink():
     """Two nodes of two ranks. Ranks 2 and 3 (node 1) both read KV block 0 (home rank 0, node 0): the
     per-rank view pays the NIC twice; the relay-aware view once, into the proxy the block rotates to
