@@ -74,9 +74,7 @@ class Balancer:
         self.out_bytes = payload_bytes(KIND_OUT, lens, **sizes).astype(np.float64)
 
         self.rank = home[tiles.q].copy() if start is None else start.copy()
-        self.C = np.bincount(self.rank, weights=compute, minlength=P)
-        self.mean = self.C.sum() / P
-        self.cap = self.mean * (1 + BALANCE_SLACK)
+        self.C, self.mean, self.cap = _load_and_cap(self.rank, compute, P)
         self.send = np.zeros((P, 2))
         self.recv = np.zeros((P, 2))
         self.have_q = np.zeros((P, nB), dtype=bool)
@@ -253,7 +251,7 @@ class Balancer:
     # ------------------------------------------------------------------ driver
     def run(self) -> np.ndarray:
         """Shed load from overloaded ranks; returns the tile ranks."""
-        if self.P == 1 or self.c.size == 0:
+        if _nothing_to_shed(self.C, self.cap, self.c.size):
             return self.rank
         # A donor's candidates are its initial tiles (targets are filled to about the cap, so the
         # tiles a rank received are never worth passing on again).
@@ -328,10 +326,22 @@ def balanced_ranks(tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_
     the cap (it would move nothing): its bookkeeping of every rank's bytes was ~10% of a one-node
     128K / 8 plan whose start was already balanced."""
     rank = home[tiles.q] if start is None else start
-    load = np.bincount(rank, weights=compute, minlength=world_size)  # (as Balancer.C, its cap, run's test)
-    if world_size == 1 or compute.size == 0 or load.max() <= load.sum() / world_size * (1 + BALANCE_SLACK):
+    load, _, cap = _load_and_cap(rank, compute, world_size)
+    if _nothing_to_shed(load, cap, compute.size):
         return rank.copy()
     return Balancer(tiles, home, compute, world_size, topology, start=start, **balancer_args).run()
+
+
+def _load_and_cap(rank: np.ndarray, compute: np.ndarray, world_size: int) -> tuple:
+    """(per-rank compute [P], its mean, the cap donors shed down to) of tile ranks ``rank``."""
+    load = np.bincount(rank, weights=compute, minlength=world_size)
+    mean = load.sum() / world_size
+    return load, mean, mean * (1 + BALANCE_SLACK)
+
+
+def _nothing_to_shed(load: np.ndarray, cap: float, num_tiles: int) -> bool:
+    """Whether ``Balancer.run`` moves no tile: one rank, no tiles, or no rank over the cap."""
+    return load.size == 1 or num_tiles == 0 or float(load.max()) <= cap
 
 
 def _argsort_small_ints(values: np.ndarray) -> np.ndarray:

@@ -95,7 +95,7 @@ from .cost_model import CostModel
 from .placement import Placement, balanced_bounds, prefix_sums, runs_to_home
 from .relay import add_relays, add_transit
 from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, payload_bytes, row_bytes
-from .stages import Finisher, assign_stages, defer_backward_groups, finish_placement
+from .stages import Finisher, assign_stages, defer_backward_groups, defer_variant_sets, finish_placement
 from .tiles import TileSet, coarsen
 
 CUT_SLACK = 0.03  # a run boundary may move by up to 3% of a run to find a cheaper cut
@@ -470,13 +470,10 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
     # groups before a large one can fit where the plain variants fit none; no plan of the 126
     # multi-node cases of seeds 0 and 1 changed by it)
     rpn = cost_model.topology.ranks_per_node
-    variants = [(False, None), (True, None)]
-    if node_local and world_size > rpn:
-        variants += [(False, rpn), (True, rpn)]
     if all(defer_backward_groups(stage_bwd, tiles.kv, placement.tile_rank, placement.block_home, compute_bwd,
                                  load.reshape(world_size, S), comm, largest_first=largest_first, into_last=True,
-                                 ranks_per_node=by_node)
-           is stage_bwd for largest_first, by_node in variants):
+                                 ranks_per_node=rpn if by_node else None) is stage_bwd
+           for largest_first, by_node in defer_variant_sets(world_size, rpn, node_local)[-1]):
         return placement
     return Finisher(tiles, placement.block_home, placement.tile_rank, placement.tile_stage, world_size=world_size,
                     cost_model=cost_model, sizes=sizes).deferred(placement, node_local=node_local)

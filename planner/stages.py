@@ -36,6 +36,13 @@ DEFER_ROUNDS = 4
 DEFER_VARIANT_SETS = (((False, False), (True, False)), ((False, False), (True, False), (False, True), (True, True)))
 
 
+def defer_variant_sets(world_size: int, ranks_per_node: int, node_local: bool = True) -> tuple:
+    """The DEFER_VARIANT_SETS ``Finisher.deferred`` follows: all of them with ``node_local`` on several
+    nodes, else the first alone (on one node every group is node-local: a second path would repeat
+    the first). The last set holds every variant tried."""
+    return DEFER_VARIANT_SETS[: None if node_local and world_size > ranks_per_node else 1]
+
+
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
                   block_size: int, total_len: int, world_size: int, cost_model: CostModel, max_stages: int,
                   num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, grad_element_size: int = 4,
@@ -254,15 +261,15 @@ def own_row_movable(q: np.ndarray, kv: np.ndarray, stage: np.ndarray, rank: np.n
     return own & ~anchor
 
 
-def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, movable,
+def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, movable_of,
                     comm_time: np.ndarray, *, world_size: int, num_stages: int,
                     extra_stage: bool = False) -> np.ndarray:
-    """Move ``movable`` tiles (``own_row_movable``) into later stages whose exchanges would otherwise be
+    """Move movable tiles (``own_row_movable``) into later stages whose exchanges would otherwise be
     exposed (OUT partials that helpers computed late arriving at a home that has finished): stage by
     stage from the latest, each stage's surplus over its own exchange fills the gaps after it. No
     transfer changes. ``seconds``: per-tile forward compute; ``comm_time`` [P, S + 1]. With
     ``extra_stage`` the last exchange counts as the gap of a new stage S (as ``spread_local_tiles``).
-    ``movable``: the bool mask, or a function giving it, called only where some exchange is exposed.
+    ``movable_of()`` gives their bool mask; it is called only where some exchange is exposed.
 
     Before it only purely local tiles were spread, and a home whose local tiles all hide exchange 0
     sat idle while its partials arrived (16 ranks / 8 per node, a Wikipedia causal batch: forward
@@ -276,7 +283,7 @@ def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, mo
         return stage
     width = S + 1 if extra_stage else S
     ranks = np.arange(P)
-    per = None  # per-rank compute per stage, recounted only after a pour moved tiles
+    per = movable = None  # per-rank compute per stage (recounted only after a pour), the mask on first need
     # from the latest stage down: a stage's surplus over its own exchange goes to the exposed gaps of the
     # stages after it, earliest first
     for source in range(S - 1, 0, -1):
@@ -286,8 +293,8 @@ def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, mo
         gaps[:, : source + 1] = 0.0
         if not gaps.any():
             continue
-        if callable(movable):
-            movable = movable()
+        if movable is None:
+            movable = movable_of()
         cand = np.flatnonzero(movable & (stage == source))[::-1]
         if cand.size == 0:
             continue
@@ -625,11 +632,9 @@ class Finisher:
             lambda st, c: self._backward_time(st, c, S), q=self.tiles.q, kv=self.tiles.kv, rank=self.rank,
             home=self.home, compute=self.compute_bwd, world_size=self.P, num_stages=S)
         # the rounds are greedy: each set of variants is followed on its own path, the faster end kept
-        # (on one node every group is node-local: the second path would repeat the first)
-        single_path = not node_local or self.P <= self.cost_model.topology.ranks_per_node
         memo = {}  # the paths share their first rounds' candidates
         ends = [self._deferred_rounds(start, kv_relay, S, variants, memo)
-                for variants in DEFER_VARIANT_SETS[: 1 if single_path else None]]
+                for variants in defer_variant_sets(self.P, self.cost_model.topology.ranks_per_node, node_local)]
         _, spread, groups, _, _ = min(ends, key=lambda end: end[-1])  # (first of equals: the plain variants)
         sched = schedule_from_groups(self.home, *self._forward_groups(), num_blocks=self.tiles.num_blocks,
                                      num_stages=S, world_size=self.P, kv_relay=kv_relay, bwd_groups=groups)
@@ -712,12 +717,9 @@ class Finisher:
                         comm = self._comm(sched, directions)
                     else:  # a DKV reduce tree may find room in the new stage
                         stage_bwd, sched, comm = schedule_and_comm(num_stages)
-            if self._local_work is None:
-                self._local_work = LocalWork(np.flatnonzero(self.local), rank, compute_bwd, P)
 
             def spread_and_time(stage_bwd, comm_bwd):
-                return backward_time(stage_bwd, compute_bwd, rank, self._local_work, comm_bwd, world_size=P,
-                                     num_stages=num_stages, cost_model=cost_model)
+                return self._backward_time(stage_bwd, comm_bwd, num_stages)
 
             # (on one node too: 32 ranks on one NVLink domain, whose small per-rank batches leave
             # exchange 1 exposed: 1.49 -> 1.34x the bound on a Wikipedia batch)
