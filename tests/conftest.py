@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
     # Must be set before triton is imported anywhere, so the kernels run on the CPU.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -19,3 +20,16 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def skip_backward_deferral(monkeypatch):
+    """A function that, called, makes dcp skip its last step, the backward deferral
+    (``with_deferred_backward`` returns the plan it is given) for the rest of the test."""
+
+    def skip():
+        import blockattn.planner.dcp as dcp_module
+
+        monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
+
+    return skip

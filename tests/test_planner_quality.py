@@ -428,13 +428,11 @@ def test_node_local_deferral_path_keeps_cross_node_partials_early(monkeypatch):
     assert both < 0.95 * plain
 
 
-def test_deferred_backward_hides_a_homes_idle_exchanges(monkeypatch):
+def test_deferred_backward_hides_a_homes_idle_exchanges(skip_backward_deferral):
     """16 ranks, 8 per node, three 8-24K-token documents among short ones: the homes of the long
     documents compute most of their backward in stage 0 and then wait on their helpers' partials;
     deferring whole remote-KV groups into those stages (``with_deferred_backward``) hides part of the
     wait: 1.191 -> 1.080x the bound. The plans are checked (make_plan's default)."""
-    import blockattn.planner.dcp as dcp_module
-
     rng = np.random.default_rng(0)
     spec = MaskSpec.documents(rng.integers(8000, 24000, 3).tolist() + rng.integers(64, 3000, 12).tolist())
 
@@ -443,7 +441,7 @@ def test_deferred_backward_hides_a_homes_idle_exchanges(monkeypatch):
         return _over_bound(s)
 
     deferred = step_over_bound()
-    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
+    skip_backward_deferral()
     clear_plan_cache()
     assert deferred < 0.95 * step_over_bound()
 
@@ -633,7 +631,7 @@ def _two_nodes_reading_block_0():
     return TileSet.from_block_mask(spec.block_mask(8)), np.arange(4), Topology(ranks_per_node=2), sizes, kv
 
 
-def test_one_large_node_splits_the_backward_stages_where_faster(monkeypatch):
+def test_one_large_node_splits_the_backward_stages_where_faster(monkeypatch, skip_backward_deferral):
     """24 ranks on one NVLink domain, 81K tokens of documents: ~3.4K tokens per rank leave exchange 1
     of the backward (the dK/dV partials of stage 0) exposed on some ranks; moving whole remote-KV
     groups to stage 1 (``split_backward_stages``), as on several nodes, hides part of it: from the
@@ -644,7 +642,7 @@ def test_one_large_node_splits_the_backward_stages_where_faster(monkeypatch):
     import blockattn.planner.stages as stages_module
 
     monkeypatch.setattr(dcp_module, "SINGLE_NODE_INITS", ("fcp",))
-    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
+    skip_backward_deferral()
     lens = np.random.default_rng(2).integers(64, 4000, 40).tolist()
     spec = MaskSpec.documents(lens)
     topology = Topology(ranks_per_node=24)
@@ -747,7 +745,7 @@ def test_a_donor_bound_by_its_nic_sheds_compute_to_a_node_mate_only_with_spread_
     assert b.C.tolist() == ([2, 1, 3, 4] if spread else [3, 0, 3, 4])
     assert b.send[0, 1] == 20 * Topology().inter_bw  # the NIC untouched either way
 
-def test_second_opinion_keeps_the_faster_plan(monkeypatch):
+def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferral):
     """A 12K-token document in 24K tokens on three nodes of two ranks: the first plan is ~1.9x the
     bound, so dcp plans again with spread sends (from SECOND_OPINION_INITS and from the first plan's
     homes), gives the finalists within RECHECK of the fastest their transit relays, and keeps the
@@ -757,7 +755,7 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch):
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.tiles import TileSet
 
-    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
+    skip_backward_deferral()
     monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
 
@@ -858,7 +856,7 @@ def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch):
     assert all(any(np.array_equal(start, home) for home in distinct) for start in starts)
 
 
-def test_one_large_node_is_restaged_where_faster(monkeypatch):
+def test_one_large_node_is_restaged_where_faster(monkeypatch, skip_backward_deferral):
     """12 ranks on one NVLink node, a 6K-token document among short ones, bf16 partials: from "fcp" the
     balanced plan is 1.76x the bound; restaged as dcp restages multi-node finalists it is ~9% faster,
     and dcp keeps that (the plan stays consistent). By default "fcp-docs", planned first, is faster
@@ -867,7 +865,7 @@ def test_one_large_node_is_restaged_where_faster(monkeypatch):
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.tiles import TileSet
 
-    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
+    skip_backward_deferral()
 
     spec = MaskSpec.documents([6000, 300, 500, 800, 200, 1200, 400, 700, 900, 1500, 600, 1100])
     topo = Topology(ranks_per_node=12)

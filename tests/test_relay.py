@@ -410,7 +410,7 @@ def test_hand_made_transit_relay():
     assert transit_relays(home, groups, np.zeros((0, 3), np.int64), ranks_per_node=4, world_size=4).size == 0
 
 
-def test_dcp_keeps_transit_relays_where_they_are_faster(monkeypatch):
+def test_dcp_keeps_transit_relays_where_they_are_faster(monkeypatch, skip_backward_deferral):
     """Documents of 6000, 5000 and 800 tokens on 3 nodes of 2 ranks: dcp's plan relays KV through ranks
     that compute nothing with it, and is faster for it (1.61 -> 1.59x the bound; without the second
     opinion's "hierarchical-spread" start, whose homes already spread the sends over the NICs, 1.71 with
@@ -418,7 +418,7 @@ def test_dcp_keeps_transit_relays_where_they_are_faster(monkeypatch):
     backward deferral, which is decided after the relays and would change both plans compared."""
     from blockattn.planner import dcp as dcp_module
 
-    monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
+    skip_backward_deferral()
 
     spec = MaskSpec.documents([6000, 5000, 800])
     topology = Topology(ranks_per_node=2)
