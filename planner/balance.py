@@ -72,6 +72,9 @@ class Balancer:
         self.q_bytes = payload_bytes(KIND_Q, lens, **sizes).astype(np.float64)
         self.kv_bytes = payload_bytes(KIND_KV, lens, **sizes).astype(np.float64)
         self.out_bytes = payload_bytes(KIND_OUT, lens, **sizes).astype(np.float64)
+        self._mean_tile = compute.mean() if compute.size else 0.0
+        # a rectangle's q-row moves Q and OUT, its kv-column KV: their ratio sets the rectangle's shape
+        self._row_over_column = ((self.q_bytes.max() + self.out_bytes.max()) / self.kv_bytes.max()) if nB else 1.0
 
         self.rank = home[tiles.q].copy() if start is None else start.copy()
         self.C, self.mean, self.cap = _load_and_cap(self.rank, compute, P)
@@ -99,17 +102,15 @@ class Balancer:
     def _link(self, a, b) -> np.ndarray:
         return (self.node[a] != self.node[b]).astype(np.int64)
 
-    def _add_kv(self, dst: np.ndarray, kv: np.ndarray) -> None:
-        new = ~self.have_kv[dst, kv]
-        dst, kv = dst[new], kv[new]
-        if dst.size * 8 > self.have_kv.size:  # large batch: dedupe on the [P, nB] grid, no sort
-            grid = np.zeros_like(self.have_kv)
-            grid[dst, kv] = True
-            dst, kv = np.nonzero(grid)
+    def _add_kv(self, dst: np.ndarray | int, kv: np.ndarray) -> None:
+        """Count the KV transfers that give ranks ``dst`` (one rank, or one per entry) the blocks ``kv``."""
+        if isinstance(dst, (int, np.integer)):  # one receiver (a move): distinct blocks in O(k), no sort
+            kv = _distinct(kv, self._scratch)
+            kv = kv[~self.have_kv[dst, kv]]
+            dst = np.full(kv.size, dst)
         else:
-            key = np.sort(dst * self.nB + kv)
-            key = key[run_heads(key)]
-            dst, kv = key // self.nB, key % self.nB
+            new = ~self.have_kv[dst, kv]
+            dst, kv = self._distinct_pairs(dst[new], kv[new])
         self.have_kv[dst, kv] = True
         src, link = self.home[kv], self._link(self.home[kv], dst)
         if self.relay_aware:
@@ -143,25 +144,37 @@ class Balancer:
         np.add.at(self.send, (src, link), self.kv_bytes[kv])
         np.add.at(self.recv, (dst, link), self.kv_bytes[kv])
 
+    def _distinct_pairs(self, dst: np.ndarray, kv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct (dst, kv) pairs, ascending by ``dst * nB + kv``."""
+        if dst.size * 8 > self.have_kv.size:  # large batch: dedupe on the [P, nB] grid, no sort
+            grid = np.zeros_like(self.have_kv)
+            grid[dst, kv] = True
+            return np.nonzero(grid)
+        key = np.sort(dst * self.nB + kv)
+        key = key[run_heads(key)]
+        return key // self.nB, key % self.nB
+
     def comm_time(self, r: int) -> float:
         return float(((self.send[r] + self.recv[r]) / self.bw).max())
 
     def time(self, r: int) -> float:
         return max(self.C[r], self.comm_time(r))
 
-    def _comm(self, send: np.ndarray, recv: np.ndarray) -> np.ndarray:
-        """[k] comm time from [k, links] cumulative send / recv bytes. Sends and receives are added, not
-        overlapped: a moved row's Q leaves before the compute and its OUT returns after it."""
-        return ((send + recv) / self.bw[: send.shape[1]]).max(axis=1)
-
-    def _per_link(self, flags: np.ndarray, nbytes: np.ndarray, link: np.ndarray) -> np.ndarray:
-        """[k, links] cumulative bytes of the flagged entries, split by link (one column on one node)."""
-        moved = np.where(flags, nbytes, 0.0)
-        if not self.multi_node:
-            return np.cumsum(moved)[:, None]
-        out = np.zeros((flags.size, 2))
-        out[np.arange(flags.size), link] = moved
-        return np.cumsum(out, axis=0)
+    def _prefix_comm(self, r: int, moved: np.ndarray, link: np.ndarray, moved_kv: np.ndarray | None = None,
+                     link_kv: np.ndarray | None = None) -> np.ndarray:
+        """[k] comm time of rank r after each prefix of a move whose entries add ``moved`` bytes on link
+        ``link`` (and ``moved_kv`` on ``link_kv``) to r's sends + receives. Sends and receives are added,
+        not overlapped: a moved row's Q leaves before the compute and its OUT returns after it. (Byte
+        counts are whole numbers, so the float sums are exact in any order.)"""
+        if not self.multi_node:  # one node: every transfer is on NVLink
+            total = moved if moved_kv is None else moved + moved_kv
+            return (self.send[r, 0] + self.recv[r, 0] + np.cumsum(total)) / self.bw[0]
+        per_link = np.zeros((moved.size, 2))
+        rows = np.arange(moved.size)
+        per_link[rows, link] = moved
+        if moved_kv is not None:
+            per_link[rows, link_kv] += moved_kv
+        return ((self.send[r] + self.recv[r] + np.cumsum(per_link, axis=0)) / self.bw).max(axis=1)
 
     # ------------------------------------------------------------------ moves
     def try_move(self, cand: np.ndarray, r: int, t: int) -> bool:
@@ -176,48 +189,44 @@ class Balancer:
         k_max = min(k_max, MAX_MOVE_TILES)
         cand, cum_c = cand[:k_max], cum_c[:k_max]
         q, kv = self.t.q[cand], self.t.kv[cand]
-        hq, hkv = self.home[q], self.home[kv]
+        hq = self.home[q]
         first_q = first_occurrence(q, self._scratch)
-        new_q = first_q & ~self.have_q[t, q]
-        new_out = first_q & (hq != t) & ~self.has_out[t, q]
-        new_kv = first_occurrence(kv, self._scratch) & ~self.have_kv[t, kv]
-        lq, lkv = self._link(hq, t), self._link(hkv, t)
-        if self.relay_aware:
-            lkv = lkv & (self.node_kv[self.node[t], kv] < 0)  # held on t's node: relayed over NVLink
-        q_bytes, out_bytes = self.q_bytes[q], self.out_bytes[q]
-        own_q = hq == r
-        q_in = self._per_link(new_q, q_bytes, lq)
-        kv_in = self._per_link(new_kv, self.kv_bytes[kv], lkv)
-        out_back = self._per_link(new_out, out_bytes, lq)
-        links = self.send.shape[1] if self.multi_node else 1  # one node: only the NVLink column moves
-        r_send = self.send[r, :links] + self._per_link(new_q & own_q, q_bytes, lq)
-        r_recv = self.recv[r, :links] + self._per_link(new_out & own_q, out_bytes, lq)
-        t_send = self.send[t, :links] + out_back
-        t_recv = self.recv[t, :links] + q_in + kv_in
-        time_t = np.maximum(self.C[t] + cum_c, self._comm(t_send, t_recv))
-        obj = np.maximum(np.maximum(self.C[r] - cum_c, self._comm(r_send, r_recv)), time_t)
+        # bytes each prefix adds: Q into t and OUT back from t per new q-block (both on the q-home's
+        # link, and both the donor's own where it is that home), KV into t per new kv-block
+        q_out = (np.where(first_q & ~self.have_q[t, q], self.q_bytes[q], 0.0)
+                 + np.where(first_q & (hq != t) & ~self.has_out[t, q], self.out_bytes[q], 0.0))
+        kv_in = np.where(first_occurrence(kv, self._scratch) & ~self.have_kv[t, kv], self.kv_bytes[kv], 0.0)
+        lq = lkv = None
+        if self.multi_node:
+            lq, lkv = self._link(hq, t), self._link(self.home[kv], t)
+            if self.relay_aware:
+                lkv = lkv & (self.node_kv[self.node[t], kv] < 0)  # held on t's node: relayed over NVLink
+        comm_r = self._prefix_comm(r, np.where(hq == r, q_out, 0.0), lq)
+        time_t = np.maximum(self.C[t] + cum_c, self._prefix_comm(t, q_out, lq, kv_in, lkv))
+        obj = np.maximum(np.maximum(self.C[r] - cum_c, comm_r), time_t)
         # never turn the target into a new straggler: its time stays within the cap
-        obj[time_t > max(self.cap, self.time(t))] = np.inf
-        before = max(self.time(r), self.time(t))
+        time_t_now = self.time(t)
+        obj[time_t > max(self.cap, time_t_now)] = np.inf
+        before = max(self.time(r), time_t_now)
         k = int(np.argmin(obj))
         if obj[k] >= before * (1 - 1e-6):
             if not self.spread_sends:
                 return False
-            k = self._shed_behind_transfers(r, t, cum_c, r_send, r_recv, obj, before)
+            k = self._shed_behind_transfers(r, t, cum_c, comm_r, obj, before)
             if k < 0:
                 return False
         self._apply(cand[: k + 1], r, t)
         return True
 
-    def _shed_behind_transfers(self, r: int, t: int, cum_c: np.ndarray, r_send: np.ndarray, r_recv: np.ndarray,
-                               obj: np.ndarray, before: float) -> int:
+    def _shed_behind_transfers(self, r: int, t: int, cum_c: np.ndarray, comm_r: np.ndarray, obj: np.ndarray,
+                               before: float) -> int:
         """Prefix (index, -1 for none) that a donor bound by its transfers still sheds, with
         ``spread_sends``: max(C, X) sees no gain, but the stages overlap its transfers with only part of
-        its compute, so less compute shortens it. Taken where r's transfers do not grow (e.g. rows to
-        a node-mate over NVLink while r's NIC is the bound), the pair's max(C, X) does not grow and the
-        target stays within the cap (``obj`` is inf past it), evening out the two ranks' compute."""
-        # (spread_sends implies several nodes, so r_send / r_recv carry both link columns)
-        ok = (self._comm(r_send, r_recv) <= self.comm_time(r) * (1 + 1e-9)) & (obj <= before * (1 + 1e-9))
+        its compute, so less compute shortens it. Taken where r's transfers (``comm_r``, per prefix) do
+        not grow (e.g. rows to a node-mate over NVLink while r's NIC is the bound), the pair's max(C, X)
+        does not grow and the target stays within the cap (``obj`` is inf past it), evening out the two
+        ranks' compute."""
+        ok = (comm_r <= self.comm_time(r) * (1 + 1e-9)) & (obj <= before * (1 + 1e-9))
         spread = np.where(ok, np.maximum(self.C[r] - cum_c, self.C[t] + cum_c), np.inf)
         k = int(np.argmin(spread))
         return k if spread[k] < self.C[r] * (1 - 1e-6) else -1
@@ -228,20 +237,20 @@ class Balancer:
         self.C[t] += self.c[idx].sum()
         self.rank[idx] = t
         self._add_q_out(idx, t)
-        self._add_kv(np.full(kv.size, t), kv)
+        self._add_kv(t, kv)
 
     def _add_q_out(self, idx: np.ndarray, t: int) -> None:
         q = self.t.q[idx]
         uq = _distinct(q, self._scratch)
         new_q = uq[~self.have_q[t, uq]]
-        link = self._link(self.home[new_q], t)
-        np.add.at(self.send, (self.home[new_q], link), self.q_bytes[new_q])
-        np.add.at(self.recv, (np.full(new_q.size, t), link), self.q_bytes[new_q])
+        src, link = self.home[new_q], self._link(self.home[new_q], t)
+        np.add.at(self.send, (src, link), self.q_bytes[new_q])
+        self.recv[t] += np.bincount(link, weights=self.q_bytes[new_q], minlength=2)
         self.have_q[t, new_q] = True
         out_q = uq[(self.home[uq] != t) & ~self.has_out[t, uq]]
-        link = self._link(self.home[out_q], t)
-        np.add.at(self.send, (np.full(out_q.size, t), link), self.out_bytes[out_q])
-        np.add.at(self.recv, (self.home[out_q], link), self.out_bytes[out_q])
+        dst, link = self.home[out_q], self._link(self.home[out_q], t)
+        self.send[t] += np.bincount(link, weights=self.out_bytes[out_q], minlength=2)
+        np.add.at(self.recv, (dst, link), self.out_bytes[out_q])
         self.has_out[t, out_q] = True
 
     def _target_order(self, ranks: np.ndarray, r: int) -> np.ndarray:
@@ -281,10 +290,11 @@ class Balancer:
         q, kv = self.t.q[mine], self.t.kv[mine]
         kv_home = self.home[kv]
         row_c = np.bincount(q, weights=self.c[mine], minlength=self.nB)
-        # rows by decreasing compute (ties: lower q), tiles of a row by kv: one int64 key sort
+        # rows by decreasing compute (ties: lower q), tiles of a row by kv: ``mine`` is in (q, kv) order,
+        # so a stable sort by the row's rank alone (a linear radix sort of small ints) gives that order
         row_rank = np.empty(self.nB, dtype=np.int64)
         row_rank[np.argsort(-row_c, kind="stable")] = np.arange(self.nB)
-        order = np.argsort(row_rank[q] * self.nB + kv)
+        order = _argsort_small_ints(row_rank[q])
         mine_rows, kv_home_rows = mine[order], kv_home[order]
         homes = np.flatnonzero(np.bincount(kv_home, minlength=self.P))
         homes = homes[(homes != r) & (self.C[homes] < self.mean)]
@@ -303,11 +313,11 @@ class Balancer:
         targets = under[self._target_order(under, r)]
         if targets.size == 0 or mine.size == 0:
             return
-        n = max(1.0, (self.C[r] - self.mean) / targets.size / self.c.mean())
-        q_cost = self.q_bytes.max() + self.out_bytes.max()
-        width = int(max(1, round(np.sqrt(n * q_cost / self.kv_bytes.max()))))
-        q, kv = self.t.q[mine], self.t.kv[mine]
-        rect = mine[np.argsort(((kv // width) * self.nB + q) * self.nB + kv)]
+        n = max(1.0, (self.C[r] - self.mean) / targets.size / self._mean_tile)
+        width = int(max(1, round(np.sqrt(n * self._row_over_column))))
+        # tiles by (kv // width, q, kv): ``mine`` is in (q, kv) order, so a stable sort by kv // width
+        # alone (a linear radix sort of small ints) gives that order
+        rect = mine[_argsort_small_ints(self.t.kv[mine] // width)]
         failed_class = set()
         for t in targets.tolist():
             if self.C[r] <= self.cap:
