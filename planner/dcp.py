@@ -616,6 +616,7 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     multi_node = world_size > cost_model.topology.ranks_per_node
     if init is None and second_opinion is None and hot_rows(tiles).size:
         inits += ["dealt", "dealt-nodes"] if multi_node else ["dealt"]
+    inits = _distinct_inits(tiles, inits)
     if len(inits) > len(SINGLE_NODE_INITS):
         inits = _preselect(tiles, world_size, inits, cost_model, max_stages, sizes)
     good_enough = GOOD_ENOUGH * _lower_bound(tiles, world_size, cost_model, sizes)
@@ -668,6 +669,18 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
         return sorted((placement for placement, _ in finalists if placement.sim_time <= RECHECK * fastest),
                       key=lambda placement: placement.sim_time)
     return min(finalists, key=lambda item: item[0].sim_time)[0]
+
+
+def _distinct_inits(tiles: TileSet, inits: list) -> list:
+    """``inits`` without "fcp" where it would give "fcp-docs"' homes: fcp_home depends on ``documents``
+    through the segments alone, and where no document starts inside a block that the cut by tile
+    counts keeps (causal_blockwise, most long-tail batches) they are the same, so the same candidate
+    was balanced and staged twice."""
+    from .fcp import segments
+
+    if "fcp" in inits and "fcp-docs" in inits and np.array_equal(segments(tiles), segments(tiles, documents=True)):
+        return [name for name in inits if name != "fcp"]
+    return inits
 
 
 def _mostly_split_segments(tiles: TileSet, world_size: int) -> bool:

@@ -591,6 +591,36 @@ def test_one_node_plan_on_merged_blocks_keeps_their_backward_stages(monkeypatch)
     clear_plan_cache()
 
 
+@pytest.mark.parametrize("world_size", [8, 16])
+def test_fcp_candidate_dropped_only_where_it_repeats_fcp_docs(monkeypatch, world_size):
+    """dcp plans "fcp" only where its homes differ from "fcp-docs"': with no document starting inside a
+    block (causal_blockwise) their segments, and so their homes, are the same, the candidate is dropped
+    and the plan is the one planning both gives; packed documents starting inside blocks keep both."""
+    import blockattn.planner.dcp as dcp_module
+    from blockattn.planner.fcp import fcp_home
+    from blockattn.planner.tiles import TileSet
+
+    cost_model = CostModel(topology=Topology())
+    sizes = dict(cost_model=cost_model, num_q_heads=HEADS["num_q_heads"], head_dim=HEADS["head_dim"])
+    blockwise = MaskSpec.causal_blockwise(16384, block=1024, k_local=2)
+    docs = MaskSpec.documents([700, 1300, 2100, 450, 3333, 900, 5000, 1800, 3000])
+    for spec, repeats in ((blockwise, True), (docs, False)):
+        tiles = TileSet.from_block_mask(spec.block_mask(128))
+        same = np.array_equal(fcp_home(tiles, world_size, **sizes), fcp_home(tiles, world_size, documents=True, **sizes))
+        assert same == repeats
+        kept = dcp_module._distinct_inits(tiles, ["fcp-docs", "fcp", "contiguous"])
+        assert kept == (["fcp-docs", "contiguous"] if repeats else ["fcp-docs", "fcp", "contiguous"])
+
+    topology = Topology(ranks_per_node=8)
+    clear_plan_cache()
+    deduped = make_plan(blockwise, world_size, block_size=128, topology=topology, **HEADS)
+    monkeypatch.setattr(dcp_module, "_distinct_inits", lambda tiles, inits: inits)
+    clear_plan_cache()
+    both = make_plan(blockwise, world_size, block_size=128, topology=topology, **HEADS)
+    assert deduped.fingerprint() == both.fingerprint()
+    clear_plan_cache()
+
+
 def test_nic_shy_pass_without_whole_merged_seed_homes_keeps_the_plan(monkeypatch):
     """Regression (found by fuzzing): 30 ranks, 3 per node, 65K tokens in blocks of 32 are planned on
     merged blocks, and the kept plan's homes are not whole merged blocks, so they cannot seed the
