@@ -35,6 +35,12 @@ Without it, the homes of a long document that many ranks on other nodes read loo
 stop shedding its rows, however many idle NICs their node has. A donor still bound by its transfers
 then sheds compute where they do not grow (``_shed_behind_transfers``), since the stages overlap its
 transfers with only part of its compute.
+
+``overlap`` weighs that everywhere: a rank's time is estimated as max(C, X) + overlap * min(C, X) (the
+stages leave its first inputs and last partials exposed, and rarely split C and X alike), so a donor
+whose transfers about equal its compute still sheds compute, and a target is not filled up to where its
+transfers catch up with it. dcp re-plans its slowest multi-node plans with it (planner/dcp.py
+REPLAN_OVERLAP).
 """
 
 from __future__ import annotations
@@ -58,13 +64,15 @@ class Balancer:
 
     def __init__(self, tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology, *,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, grad_element_size: int = 4,
-                 relay_aware: bool = False, spread_sends: bool = False, start: np.ndarray | None = None):
+                 relay_aware: bool = False, spread_sends: bool = False, start: np.ndarray | None = None,
+                 overlap: float = 0.0):
         P, nB = world_size, tiles.num_blocks
         self.t, self.home, self.c, self.P, self.nB = tiles, home, compute, P, nB
         self.node = topology.node_of(np.arange(P))
         self.bw = np.array([topology.intra_bw, topology.inter_bw])
         self.multi_node = bool(self.node.max() > 0)
         self.relay_aware = relay_aware and self.multi_node
+        self.overlap = float(overlap)
         self.spread_sends = spread_sends and self.relay_aware
         lens = tiles.block_lengths()
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
@@ -160,6 +168,13 @@ class Balancer:
     def time(self, r: int) -> float:
         return max(self.C[r], self.comm_time(r))
 
+    def _estimate(self, compute, comm):
+        """A rank's time as the balancer weighs it: max(C, X), plus ``overlap`` x min(C, X) (the part of
+        the shorter one the stages leave exposed); scalars or arrays."""
+        if self.overlap == 0.0:
+            return np.maximum(compute, comm)
+        return np.maximum(compute, comm) + self.overlap * np.minimum(compute, comm)
+
     def _prefix_comm(self, r: int, moved: np.ndarray, link: np.ndarray, moved_kv: np.ndarray | None = None,
                      link_kv: np.ndarray | None = None) -> np.ndarray:
         """[k] comm time of rank r after each prefix of a move whose entries add ``moved`` bytes on link
@@ -202,12 +217,13 @@ class Balancer:
             if self.relay_aware:
                 lkv = lkv & (self.node_kv[self.node[t], kv] < 0)  # held on t's node: relayed over NVLink
         comm_r = self._prefix_comm(r, np.where(hq == r, q_out, 0.0), lq)
-        time_t = np.maximum(self.C[t] + cum_c, self._prefix_comm(t, q_out, lq, kv_in, lkv))
-        obj = np.maximum(np.maximum(self.C[r] - cum_c, comm_r), time_t)
+        comm_t = self._prefix_comm(t, q_out, lq, kv_in, lkv)
+        time_t = np.maximum(self.C[t] + cum_c, comm_t)
+        obj = np.maximum(self._estimate(self.C[r] - cum_c, comm_r), self._estimate(self.C[t] + cum_c, comm_t))
         # never turn the target into a new straggler: its time stays within the cap
         time_t_now = self.time(t)
         obj[time_t > max(self.cap, time_t_now)] = np.inf
-        before = max(self.time(r), time_t_now)
+        before = max(self._estimate(self.C[r], self.comm_time(r)), self._estimate(self.C[t], self.comm_time(t)))
         k = int(np.argmin(obj))
         if obj[k] >= before * (1 - 1e-6):
             if not self.spread_sends:

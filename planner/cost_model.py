@@ -76,6 +76,10 @@ class CostModel:
     topology: Topology = Topology()
     fwd_rate: float = 500e12  # attainable attention FLOP/s forward on one H200
     bwd_flops_factor: float = 2.5  # backward FLOPs / forward FLOPs (dQ, dK, dV + recompute of P)
+    # Not used in scoring: the dcp balancer's fast per-rank estimate, max(compute, transfers) +
+    # balance_overlap * min(compute, transfers) (planner/balance.py ``overlap``), where the staged
+    # model above is too costly to evaluate per candidate move.
+    balance_overlap: float = 0.0
 
     def tile_flops(self, pairs, *, num_q_heads: int, head_dim: int) -> np.ndarray:
         """Forward FLOPs of tiles with ``pairs`` unmasked (q, k) pairs."""
