@@ -81,7 +81,10 @@ A plan still that slow is last weighed against its homes with, inside each node,
 nodes read dealt over the node's ranks, and (apart) only those whose KV crosses nodes in the forward's
 first exchange (``_spread_homes``, ``SPREAD_PASS``): nothing can send those ahead through a node-mate,
 so one home's NIC carries them all behind its stage-0 compute. Where such homes win, they go through
-the NIC-shy and spread passes again (``PASS_ROUNDS``, ``_nic_passes``).
+the NIC-shy and spread passes again (``PASS_ROUNDS``, ``_nic_passes``). A plan still ``REPLAN_FROM``
+times the bound is planned once more from the start with every balancer estimating a rank's time as
+max(compute, transfers) + ``REPLAN_OVERLAP`` x min(compute, transfers), so that a donor whose
+transfers about equal its compute still sheds compute; the faster of the two plans is kept.
 """
 
 from __future__ import annotations
@@ -386,7 +389,9 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     transfers leave exposed, where faster (``with_deferred_backward``); on several nodes, a plan still
     slower than NIC_SHY_FROM x the bound is weighed against its homes balanced with the NICs priced
     slower (NIC_SHY_SCALES), and then against its homes with the blocks other nodes read dealt over their
-    node's ranks (``_spread_homes``), in rounds (``_nic_passes``)."""
+    node's ranks (``_spread_homes``), in rounds (``_nic_passes``); one still slower than REPLAN_FROM x the
+    bound is planned again with every balancer weighing exposed transfers (REPLAN_OVERLAP), the faster
+    plan kept."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
     placement = _dcp_selected(tiles, world_size, cost_model, max_stages, sizes, init)
