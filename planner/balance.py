@@ -72,8 +72,8 @@ class Balancer:
         self.bw = np.array([topology.intra_bw, topology.inter_bw])
         self.multi_node = bool(self.node.max() > 0)
         self.relay_aware = relay_aware and self.multi_node
-        self.overlap = float(overlap)
         self.spread_sends = spread_sends and self.relay_aware
+        self.overlap = float(overlap)
         lens = tiles.block_lengths()
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                      grad_element_size=grad_element_size)

@@ -82,9 +82,10 @@ nodes read dealt over the node's ranks, and (apart) only those whose KV crosses 
 first exchange (``_spread_homes``, ``SPREAD_PASS``): nothing can send those ahead through a node-mate,
 so one home's NIC carries them all behind its stage-0 compute. Where such homes win, they go through
 the NIC-shy and spread passes again (``PASS_ROUNDS``, ``_nic_passes``). A plan still ``REPLAN_FROM``
-times the bound is planned once more from the start with every balancer estimating a rank's time as
-max(compute, transfers) + ``REPLAN_OVERLAP`` x min(compute, transfers), so that a donor whose
-transfers about equal its compute still sheds compute; the faster of the two plans is kept.
+times the bound (``REPLAN_FROM_ONE_NODE`` on one node) is planned once more from the start with every
+balancer estimating a rank's time as max(compute, transfers) + ``REPLAN_OVERLAP`` x min(compute,
+transfers), so that a donor whose transfers about equal its compute still sheds compute; the faster
+of the two plans is kept.
 """
 
 from __future__ import annotations
@@ -217,7 +218,12 @@ SPREAD_PASS = True
 # 1.764), seed 777 1.2341 -> 1.2273 (1.744 -> 1.682); the 16 / 4 and 16 / 8 plans over 1.25x: four,
 # two faster; planning +5% / +36% / +33% on the 32 / 8 cases. Seeds 1 and 777, 0.25: 1.2463 /
 # 1.2302; 1.0: 1.2411 / 1.2290 (worst 1.800 / 1.682). From 1.15x: 1.2389 / 1.2221 for +67% / +73%.
+# One node (large batches planned on merged blocks excepted: NVLink-bound, see _dcp_selected), from
+# REPLAN_FROM_ONE_NODE x the bound: 32 ranks on one NVLink domain 1.0595 -> 1.0519 (seed 0), 1.0743 ->
+# 1.0639 (seed 1; a shared-question batch 1.231 -> 1.192), 1.0643 -> 1.0583 (seed 777), planning
+# +14% / +33% / +43% on those cases; no 8-rank plan of the three draws is that slow (all unchanged).
 REPLAN_FROM = 1.25
+REPLAN_FROM_ONE_NODE = 1.05
 REPLAN_OVERLAP = 0.5
 # Where the spread pass wins, its homes go through the NIC-shy pass and the spread pass again, for up to
 # PASS_ROUNDS rounds (``_nic_passes``). Every pass only adds candidates (none slower). Fwd + bwd over the
@@ -389,9 +395,9 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     transfers leave exposed, where faster (``with_deferred_backward``); on several nodes, a plan still
     slower than NIC_SHY_FROM x the bound is weighed against its homes balanced with the NICs priced
     slower (NIC_SHY_SCALES), and then against its homes with the blocks other nodes read dealt over their
-    node's ranks (``_spread_homes``), in rounds (``_nic_passes``); one still slower than REPLAN_FROM x the
-    bound is planned again with every balancer weighing exposed transfers (REPLAN_OVERLAP), the faster
-    plan kept."""
+    node's ranks (``_spread_homes``), in rounds (``_nic_passes``). A plan still slower than REPLAN_FROM x the
+    bound (REPLAN_FROM_ONE_NODE on one node) is planned again with every balancer weighing exposed
+    transfers (REPLAN_OVERLAP), the faster plan kept."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
     placement = _dcp_selected(tiles, world_size, cost_model, max_stages, sizes, init)
@@ -402,7 +408,8 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     multi_node = world_size > cost_model.topology.ranks_per_node
     if init is None and multi_node and result.sim_time > NIC_SHY_FROM * bound:
         result = _nic_passes(tiles, result, world_size, cost_model, max_stages, sizes, bound)
-    if init is None and multi_node and result.sim_time > REPLAN_FROM * bound and cost_model.balance_overlap == 0:
+    replan_from = REPLAN_FROM if multi_node else REPLAN_FROM_ONE_NODE
+    if init is None and world_size > 1 and result.sim_time > replan_from * bound and cost_model.balance_overlap == 0:
         # planned again from the start with the balancer weighing exposed transfers (REPLAN_OVERLAP)
         again = dcp(tiles, world_size, cost_model=replace(cost_model, balance_overlap=REPLAN_OVERLAP),
                     max_stages=max_stages, **sizes)
