@@ -216,8 +216,9 @@ SPREAD_PASS = True
 # and 24 / 26 / 19 slower (seeds 0 / 1 / 777). Fwd + bwd over the bound, 32 / 8, re-planning those
 # over 1.25x: seed 0 1.1466 -> 1.1451 (worst 1.368 -> 1.349), seed 1 1.2627 -> 1.2412 (1.928 ->
 # 1.764), seed 777 1.2341 -> 1.2273 (1.744 -> 1.682); the 16 / 4 and 16 / 8 plans over 1.25x: four,
-# two faster; planning +5% / +36% / +33% on the 32 / 8 cases. Seeds 1 and 777, 0.25: 1.2463 /
+# three faster; planning +5% / +36% / +33% on the 32 / 8 cases. Seeds 1 and 777, 0.25: 1.2463 /
 # 1.2302; 1.0: 1.2411 / 1.2290 (worst 1.800 / 1.682). From 1.15x: 1.2389 / 1.2221 for +67% / +73%.
+# 1M tokens / 64 ranks: one of six Wikipedia batches re-planned, 1.48 -> 1.30x for 4.2 -> 9.1 s.
 # One node (large batches planned on merged blocks excepted: NVLink-bound, see _dcp_selected), from
 # REPLAN_FROM_ONE_NODE x the bound: 32 ranks on one NVLink domain 1.0595 -> 1.0519 (seed 0), 1.0743 ->
 # 1.0639 (seed 1; a shared-question batch 1.231 -> 1.192), 1.0643 -> 1.0583 (seed 777), planning
