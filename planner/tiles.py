@@ -110,7 +110,11 @@ def coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
 
 def _coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
     nbc = -(-tiles.num_blocks // factor)
-    qc, kc = tiles.q // factor, tiles.kv // factor
+    if factor & (factor - 1) == 0:  # (a power of two, as dcp merges: a shift is several times faster)
+        shift = factor.bit_length() - 1
+        qc, kc = tiles.q >> shift, tiles.kv >> shift
+    else:
+        qc, kc = tiles.q // factor, tiles.kv // factor
     # Dense presence table over each coarse row's kv span only (tiles are sorted by q, so a coarse
     # row is one contiguous run): sized like the band of the mask, not nbc**2.
     starts = np.flatnonzero(run_heads(qc))
@@ -121,7 +125,7 @@ def _coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
         lo[rows] = np.minimum.reduceat(kc, starts)
         width[rows] = np.maximum.reduceat(kc, starts) - lo[rows] + 1
     offset = np.cumsum(width) - width
-    slot = offset[qc] + kc - lo[qc]
+    slot = (offset - lo)[qc] + kc
     present = np.zeros(int(width.sum()), dtype=bool)
     present[slot] = True
     index = np.cumsum(present) - 1
@@ -130,7 +134,7 @@ def _coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
     slot_row = np.repeat(np.arange(nbc), width)[slots]
     coarse_q, coarse_kv = slot_row, lo[slot_row] + slots - offset[slot_row]
     pairs = np.bincount(of_fine, weights=tiles.pairs, minlength=slots.size).astype(np.int64)
-    n_full = np.bincount(of_fine, weights=tiles.full, minlength=slots.size)
+    n_full = np.bincount(of_fine[tiles.full], minlength=slots.size)
     coarse = TileSet(total_len=tiles.total_len, block_size=tiles.block_size * factor, num_blocks=nbc,
                      q=coarse_q, kv=coarse_kv, full=n_full == factor * factor, pairs=pairs)
     return coarse, of_fine

@@ -205,3 +205,27 @@ def test_input_groups_grouped_once_match_the_dense_groups_under_any_staging(spec
                     for block, remote in ((tiles.q, remote_q), (tiles.kv, remote_kv))]
         for got, want in zip(grouped(stage), expected):
             assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
+
+
+@SETTINGS
+@given(spec=masks(), block=st.sampled_from([16, 32, 48]), factor=st.integers(2, 9))
+def test_coarsen_merges_tiles_as_a_dictionary_of_merged_pairs_does(spec, block, factor):
+    """``coarsen`` (a dense presence table over each merged row's kv span; powers of two by a shift)
+    equals merging by brute force: each merged tile's pairs summed, FULL only when all factor**2 real
+    tiles exist and are FULL, (q, kv)-sorted, and every real tile mapped to its merged tile."""
+    from blockattn.planner.tiles import TileSet, _coarsen
+
+    tiles = TileSet.from_block_mask(spec.block_mask(block))
+    merged, of_fine = _coarsen(tiles, factor)
+    pairs, full = {}, {}
+    for q, kv, p, f in zip(tiles.q.tolist(), tiles.kv.tolist(), tiles.pairs.tolist(), tiles.full.tolist()):
+        key = (q // factor, kv // factor)
+        pairs[key] = pairs.get(key, 0) + p
+        full[key] = full.get(key, 0) + int(f)
+    keys = sorted(pairs)
+    assert merged.num_blocks == -(-tiles.num_blocks // factor) and merged.block_size == block * factor
+    assert [(q, kv) for q, kv in zip(merged.q.tolist(), merged.kv.tolist())] == keys
+    assert merged.pairs.tolist() == [pairs[k] for k in keys]
+    assert merged.full.tolist() == [full[k] == factor * factor for k in keys]
+    assert np.array_equal(merged.q[of_fine], tiles.q // factor)
+    assert np.array_equal(merged.kv[of_fine], tiles.kv // factor)
