@@ -100,8 +100,8 @@ class Balancer:
         self.have_q[home, blocks] = True
         self.have_kv[home, blocks] = True
         self.node_kv[self.node[home], blocks] = home
-        remote = home[tiles.kv] != self.rank
-        self._add_kv(self.rank[remote], tiles.kv[remote])
+        remote = home[tiles.kv] != self.rank  # (only homes hold blocks yet: every remote read is new)
+        self._add_kv(*self._distinct_pairs(self.rank[remote], tiles.kv[remote]))
         pushed = np.flatnonzero(self.rank != home[tiles.q])
         for t in np.unique(self.rank[pushed]).tolist():
             self._add_q_out(pushed[self.rank[pushed] == t], t)
@@ -110,15 +110,8 @@ class Balancer:
     def _link(self, a, b) -> np.ndarray:
         return (self.node[a] != self.node[b]).astype(np.int64)
 
-    def _add_kv(self, dst: np.ndarray | int, kv: np.ndarray) -> None:
-        """Count the KV transfers that give ranks ``dst`` (one rank, or one per entry) the blocks ``kv``."""
-        if isinstance(dst, (int, np.integer)):  # one receiver (a move): distinct blocks in O(k), no sort
-            kv = _distinct(kv, self._scratch)
-            kv = kv[~self.have_kv[dst, kv]]
-            dst = np.full(kv.size, dst)
-        else:
-            new = ~self.have_kv[dst, kv]
-            dst, kv = self._distinct_pairs(dst[new], kv[new])
+    def _add_kv(self, dst: np.ndarray, kv: np.ndarray) -> None:
+        """Count the KV transfers that give ranks ``dst`` the blocks ``kv`` (distinct pairs, none held yet)."""
         self.have_kv[dst, kv] = True
         src, link = self.home[kv], self._link(self.home[kv], dst)
         if self.relay_aware:
@@ -218,12 +211,14 @@ class Balancer:
                 lkv = lkv & (self.node_kv[self.node[t], kv] < 0)  # held on t's node: relayed over NVLink
         comm_r = self._prefix_comm(r, np.where(hq == r, q_out, 0.0), lq)
         comm_t = self._prefix_comm(t, q_out, lq, kv_in, lkv)
-        time_t = np.maximum(self.C[t] + cum_c, comm_t)
-        obj = np.maximum(self._estimate(self.C[r] - cum_c, comm_r), self._estimate(self.C[t] + cum_c, comm_t))
+        load_t = self.C[t] + cum_c
+        estimate_t = self._estimate(load_t, comm_t)
+        time_t = estimate_t if self.overlap == 0.0 else np.maximum(load_t, comm_t)
+        obj = np.maximum(self._estimate(self.C[r] - cum_c, comm_r), estimate_t)
         # never turn the target into a new straggler: its time stays within the cap
-        time_t_now = self.time(t)
-        obj[time_t > max(self.cap, time_t_now)] = np.inf
-        before = max(self._estimate(self.C[r], self.comm_time(r)), self._estimate(self.C[t], self.comm_time(t)))
+        comm_t_now = self.comm_time(t)
+        obj[time_t > max(self.cap, self.C[t], comm_t_now)] = np.inf
+        before = max(self._estimate(self.C[r], self.comm_time(r)), self._estimate(self.C[t], comm_t_now))
         k = int(np.argmin(obj))
         if obj[k] >= before * (1 - 1e-6):
             if not self.spread_sends:
@@ -253,7 +248,9 @@ class Balancer:
         self.C[t] += self.c[idx].sum()
         self.rank[idx] = t
         self._add_q_out(idx, t)
-        self._add_kv(t, kv)
+        kv = _distinct(kv, self._scratch)  # (one receiver: distinct blocks in O(k), no sort)
+        kv = kv[~self.have_kv[t, kv]]
+        self._add_kv(np.full(kv.size, t), kv)
 
     def _add_q_out(self, idx: np.ndarray, t: int) -> None:
         q = self.t.q[idx]

@@ -33,3 +33,17 @@ def skip_backward_deferral(monkeypatch):
         monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
 
     return skip
+
+
+@pytest.fixture
+def skip_replan(monkeypatch):
+    """A function that, called, switches off dcp's re-plan with the overlap-aware balancer (both of its
+    thresholds, several nodes and one node) for the rest of the test."""
+
+    def skip():
+        import blockattn.planner.dcp as dcp_module
+
+        for name in ("REPLAN_FROM", "REPLAN_FROM_ONE_NODE"):
+            monkeypatch.setattr(dcp_module, name, float("inf"))
+
+    return skip

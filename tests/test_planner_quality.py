@@ -507,14 +507,14 @@ def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(mo
         assert np.array_equal(start // 4, kept.block_home.numpy() // 4)
 
 
-def test_nic_shy_and_spread_passes_take_rounds(monkeypatch):
+def test_nic_shy_and_spread_passes_take_rounds(monkeypatch, skip_replan):
     """8 ranks, 4 per node, 30K tokens of long-tail documents, lambda mask: where the spread pass wins,
     its homes go through the NIC-shy pass and the spread pass again (``PASS_ROUNDS``; each pass only
     adds candidates): 1.288 -> 1.202x the bound against one round (without the re-plan that follows
     the passes, which finds 1.117 from the one-round plan). The plans are checked (make_plan's default)."""
     import blockattn.planner.dcp as dcp_module
 
-    monkeypatch.setattr(dcp_module, "REPLAN_FROM", float("inf"))
+    skip_replan()
     spec = MaskSpec.documents(_long_tail_docs(16, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
 
     def over_bound():
@@ -650,7 +650,7 @@ def test_overlap_estimate_sheds_compute_where_max_of_compute_and_transfers_sees_
     ([1795, 2899, 1002, 2408, 614], 8, Topology(ranks_per_node=4, inter_bw=5e9)),  # 4.14 -> 3.74x the bound
     ([3957, 1390, 2388, 4996, 5071, 3980, 127], 16, Topology(ranks_per_node=16)),  # one node: 1.215 -> 1.155x
 ])
-def test_dcp_replans_its_slowest_plans_with_the_overlap_estimate(monkeypatch, lens, world_size, topology):
+def test_dcp_replans_its_slowest_plans_with_the_overlap_estimate(monkeypatch, skip_replan, lens, world_size, topology):
     """A dcp plan slower than REPLAN_FROM (several nodes) or REPLAN_FROM_ONE_NODE x the bound is planned
     again with every balancer using ``overlap`` = REPLAN_OVERLAP, and the faster plan is kept (in these
     two cases the re-planned one; make_plan checks both)."""
@@ -658,8 +658,7 @@ def test_dcp_replans_its_slowest_plans_with_the_overlap_estimate(monkeypatch, le
     import blockattn.planner.dcp as dcp_module
 
     spec = MaskSpec.documents(lens)
-    for name in ("REPLAN_FROM", "REPLAN_FROM_ONE_NODE"):
-        monkeypatch.setattr(dcp_module, name, float("inf"))
+    skip_replan()
     clear_plan_cache()
     once = make_plan(spec, world_size, block_size=64, topology=topology, **HEADS)
 
@@ -903,7 +902,7 @@ def test_second_opinion_seeds_merged_blocks_only_with_whole_homes():
     assert counts.max() - counts.min() <= dcp_module.coarsening_factor(tiles, 4)
 
 
-def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch):
+def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch, skip_replan):
     """The second opinion starts from the homes of the kept plan and of every first-pass finalist (a
     slower first plan's homes may balance better with spread sends), each distinct start planned once."""
     from blockattn.planner import dcp as dcp_module
@@ -932,7 +931,7 @@ def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch):
     monkeypatch.setattr(dcp_module, "_place", recording_place)
     monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())  # (its pass re-balances the kept homes the same way)
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)  # (and so does the spread pass, from spread homes)
-    monkeypatch.setattr(dcp_module, "REPLAN_FROM", float("inf"))  # (the re-plan would seed its own second opinion)
+    skip_replan()  # (the re-plan would seed its own second opinion)
     dcp_module.dcp(tiles, 6, cost_model=cm, max_stages=4, **sizes)
     assert len(seeds) == 1  # (the first plan is over SECOND_OPINION x the bound)
     for first in firsts:
