@@ -81,7 +81,11 @@ A plan still that slow is last weighed against its homes with, inside each node,
 nodes read dealt over the node's ranks, and (apart) only those whose KV crosses nodes in the forward's
 first exchange (``_spread_homes``, ``SPREAD_PASS``): nothing can send those ahead through a node-mate,
 so one home's NIC carries them all behind its stage-0 compute. Where such homes win, they go through
-the NIC-shy and spread passes again (``PASS_ROUNDS``, ``_nic_passes``). A plan still ``REPLAN_FROM``
+the NIC-shy and spread passes again (``PASS_ROUNDS``, ``_nic_passes``). A plan still ``DEAL_PASS_FROM``
+times the bound (one node too) is then weighed against homes with every document piece that holds more
+than a rank's compute on a node dealt round-robin over the node's ranks (``deal_heavy_pieces``), so that
+no one home carries the Q and OUT transfers of shedding its rows (kept where faster by more than the bytes
+it adds cost, ``_worth_its_bytes``). A plan still ``REPLAN_FROM``
 times the bound (``REPLAN_FROM_ONE_NODE`` on one node) is planned once more from the start with every
 balancer estimating a rank's time as max(compute, transfers) + ``REPLAN_OVERLAP`` x min(compute,
 transfers), so that a donor whose transfers about equal its compute still sheds compute; the faster
@@ -243,6 +247,29 @@ PASS_ROUNDS = 3
 # benchmark's document masks it never won, hence the span.
 HOT_ROW = 3.0
 HOT_SPAN = 0.25
+# A plan still slower than DEAL_PASS_FROM x the bound after the NIC-shy and spread passes is weighed against
+# homes with, inside each node, every document piece holding more than DEAL_PIECE_FROM ranks' shares of
+# compute dealt round-robin over the node's ranks (``deal_heavy_pieces``), from "hierarchical" ("contiguous"
+# on one node) and from the kept plan (``_dealt_homes``); balanced and refined as the second opinion's starts
+# are on several nodes, as a one-node candidate on one (``_deal_pass``); kept where faster by more than the
+# bytes it adds cost (``_worth_its_bytes``). A piece kept in contiguous runs leaves one home with most of
+# its rows: it sheds them to node-mates, but each shed row sends its Q and takes back an OUT partial over
+# that home's links, until its transfers equal its compute and max(compute, transfers) sees nothing more
+# to gain (1M tokens / 64 ranks, a 32K-token document: one home at 6.1x a rank's share of compute, still
+# 1.13x the mean after balancing). Dealt, every rank of the node holds rows of the piece and reads its KV
+# from the others over NVLink. Fwd + bwd over the bound, none of the 105 cases of a draw slower: the
+# bench's batches (seed 0) 16 / 4 1.0708 -> 1.0593, 32 / 8 1.1451 -> 1.1388 (a causal 16 / 4 plan 1.30
+# -> 1.11); held out (seed 1) 16 / 8 1.0620 -> 1.0449, 16 / 4 1.0920 -> 1.0810, 32 / 8 1.2412 -> 1.2227
+# (a shared-question plan 1.59 -> 1.33); seed 777 16 / 8 1.0548 -> 1.0407, 16 / 4 1.0996 -> 1.0917, 32 /
+# 8 1.2273 -> 1.2015 (worst 1.682 -> 1.537), 32 (32) 1.0583 -> 1.0554; bf16 partials 16 / 8 1.0308 ->
+# 1.0284, 16 / 4 1.0544 -> 1.0481, 32 / 8 1.1227 -> 1.1194. 1M tokens / 64 ranks, six Wikipedia
+# batches: 1.23 -> 1.06, 1.14 -> 1.06, 1.30 -> 1.22 (three unchanged), for +4% planning in all (+9-23%
+# on the 128K multi-node cases). Before the NIC-shy pass instead (the later passes then start from the
+# dealt plan): gains about as large, but six of 126 multi-node plans slower; from "hierarchical" alone:
+# held out 32 / 8 1.2290, from the kept plan alone 16 / 4 1.0839 (both without the bytes rule, which
+# took 1.2206 -> 1.2227 there).
+DEAL_PASS_FROM = 1.05
+DEAL_PIECE_FROM = 1.0  # a piece's rows on a node above this many ranks' shares of compute are dealt
 
 
 def contiguous_cut_home(tiles: TileSet, world_size: int) -> np.ndarray:
@@ -305,6 +332,22 @@ def spread_read_blocks(tiles: TileSet, home: np.ndarray, topology) -> np.ndarray
     read = np.zeros(tiles.num_blocks, dtype=bool)
     read[tiles.kv[node[tiles.q] != node[tiles.kv]]] = True
     return deal_blocks(home, read, topology, keep_rest=False)
+
+
+def deal_heavy_pieces(tiles: TileSet, home: np.ndarray, world_size: int, topology) -> np.ndarray:
+    """``home`` with, inside each node, the blocks of every piece of a segment (planner/fcp.py ``segments``,
+    documents cut at the blocks they start in) whose rows there hold more than DEAL_PIECE_FROM ranks'
+    shares of compute dealt round-robin over the node's ranks (``deal_blocks``): every rank of the node
+    then computes rows of the piece and reads its KV from the others over NVLink, where in contiguous runs
+    one home holds most of its rows and carries every transfer that shedding them takes."""
+    from .fcp import segments
+
+    bounds = segments(tiles, documents=True)
+    segment = np.searchsorted(bounds, np.arange(tiles.num_blocks), side="right") - 1
+    piece = segment * world_size + home // topology.ranks_per_node  # (segment, node)
+    row = np.bincount(tiles.q, weights=tiles.pairs, minlength=tiles.num_blocks)
+    heavy = np.bincount(piece, weights=row) > DEAL_PIECE_FROM * row.sum() / world_size
+    return deal_blocks(home, heavy[piece], topology)
 
 
 def deal_blocks(home: np.ndarray, dealt: np.ndarray, topology, *, keep_rest: bool = True) -> np.ndarray:
@@ -396,9 +439,10 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     transfers leave exposed, where faster (``with_deferred_backward``); on several nodes, a plan still
     slower than NIC_SHY_FROM x the bound is weighed against its homes balanced with the NICs priced
     slower (NIC_SHY_SCALES), and then against its homes with the blocks other nodes read dealt over their
-    node's ranks (``_spread_homes``), in rounds (``_nic_passes``). A plan still slower than REPLAN_FROM x the
-    bound (REPLAN_FROM_ONE_NODE on one node) is planned again with every balancer weighing exposed
-    transfers (REPLAN_OVERLAP), the faster plan kept."""
+    node's ranks (``_spread_homes``), in rounds (``_nic_passes``); then (one node too, from DEAL_PASS_FROM x
+    the bound) against homes with each node's heavy document pieces dealt over its ranks (``_deal_pass``).
+    A plan still slower than REPLAN_FROM x the bound (REPLAN_FROM_ONE_NODE on one node) is planned again
+    with every balancer weighing exposed transfers (REPLAN_OVERLAP), the faster plan kept."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
     placement = _dcp_selected(tiles, world_size, cost_model, max_stages, sizes, init)
@@ -409,6 +453,8 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     multi_node = world_size > cost_model.topology.ranks_per_node
     if init is None and multi_node and result.sim_time > NIC_SHY_FROM * bound:
         result = _nic_passes(tiles, result, world_size, cost_model, max_stages, sizes, bound)
+    if init is None and world_size > 1 and result.sim_time > DEAL_PASS_FROM * bound:
+        result = _deal_pass(tiles, result, world_size, cost_model, max_stages, sizes)
     replan_from = REPLAN_FROM if multi_node else REPLAN_FROM_ONE_NODE
     if init is None and world_size > 1 and result.sim_time > replan_from * bound and cost_model.balance_overlap == 0:
         # planned again from the start with the balancer weighing exposed transfers (REPLAN_OVERLAP)
@@ -445,6 +491,51 @@ def _nic_passes(tiles: TileSet, result: Placement, world_size: int, cost_model: 
             break
         shy_seed = result.block_home
     return result
+
+
+def _deal_pass(tiles: TileSet, result: Placement, world_size: int, cost_model: CostModel, max_stages: int,
+               sizes: dict) -> Placement:
+    """``result`` or, where one simulates faster, a plan from the homes of ``_dealt_homes``: on several
+    nodes balanced and refined as the second opinion's starts are (spread sends, transit relays), on one
+    node balanced and staged as a one-node candidate; each with its backward deferral."""
+    for home in _dealt_homes(tiles, result, world_size, cost_model, sizes):
+        if world_size > cost_model.topology.ranks_per_node:
+            alt = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, [home],
+                                  opinion_inits=(), deferred=True)
+        else:
+            alt, _ = _place(tiles, world_size, None, cost_model, max_stages, sizes, home=home, relays=False)
+            alt = with_deferred_backward(tiles, alt, world_size, cost_model, sizes)
+        if alt.sim_time < result.sim_time and _worth_its_bytes(tiles, alt, result, sizes):
+            result = alt
+    return result
+
+
+def _worth_its_bytes(tiles: TileSet, alt: Placement, result: Placement, sizes: dict) -> bool:
+    """Whether ``alt``, faster than ``result``, is worth the bytes it moves: as many or fewer, or a time
+    gain over (BYTES_SLACK - 1) x its bytes over ``result``'s (2% for as many, 4% for twice as many). A
+    dealt piece's KV is read on every rank of its node: a batch that is one long segment (causal_blockwise
+    on one node of 32) dealt whole gained 2% for 4.8x the bytes."""
+    ratio = _schedule_bytes(tiles, alt, sizes) / max(_schedule_bytes(tiles, result, sizes), 1.0)
+    return ratio <= 1.0 or 1.0 - alt.sim_time / result.sim_time > (BYTES_SLACK - 1.0) * ratio
+
+
+def _dealt_homes(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, sizes: dict) -> list:
+    """The homes of "hierarchical" (on one node "contiguous") and of ``placement`` with their heavy pieces
+    dealt over their nodes' ranks (``deal_heavy_pieces``), each where that changes it and once; dealt as
+    merged blocks where the batch is planned on them (the seeds of ``_dcp(second_opinion=...)``)."""
+    factor = coarsening_factor(tiles, world_size)
+    coarse = coarsen(tiles, factor)[0] if factor > 1 else tiles
+    homes = [_initial_home(coarse, world_size, "hierarchical", cost_model, sizes)]
+    kept = merged_home(placement.block_home, factor, coarse.num_blocks)
+    if kept is not None:
+        homes.append(kept)
+    dealt = []
+    for home in homes:
+        home_dealt = deal_heavy_pieces(coarse, home, world_size, cost_model.topology)
+        if not np.array_equal(home_dealt, home) and not any(np.array_equal(home_dealt, seen) for seen in dealt):
+            dealt.append(home_dealt)
+    of_block = np.arange(tiles.num_blocks) // factor
+    return [home[of_block] for home in dealt]
 
 
 def merged_home(home: np.ndarray, factor: int, num_merged: int) -> np.ndarray | None:
@@ -739,13 +830,14 @@ def _fewest_bytes(tiles: TileSet, planned: list, good_enough: float, sizes: dict
     near = [p for p in planned if p.sim_time <= min(good_enough, BYTES_SLACK * fastest.sim_time)]
     if len(near) < 2:
         return fastest
+    return min(near, key=lambda p: _schedule_bytes(tiles, p, sizes))
+
+
+def _schedule_bytes(tiles: TileSet, placement: Placement, sizes: dict) -> float:
+    """Forward + backward payload bytes of a scored placement's CommSchedule (relays included)."""
     block_len = tiles.block_lengths()
-
-    def moved(p):
-        return sum(float(row_bytes(p.schedule.table(d).numpy().astype(np.int64), block_len, **sizes).sum())
-                   for d in ("fwd", "bwd"))
-
-    return min(near, key=moved)
+    return sum(float(row_bytes(placement.schedule.table(d).numpy().astype(np.int64), block_len, **sizes).sum())
+               for d in ("fwd", "bwd"))
 
 
 def _fewest_bytes_staging_few(tiles: TileSet, world_size: int, inits: list, cost_model: CostModel, max_stages: int,

@@ -47,3 +47,16 @@ def skip_replan(monkeypatch):
             monkeypatch.setattr(dcp_module, name, float("inf"))
 
     return skip
+
+
+@pytest.fixture
+def skip_deal_pass(monkeypatch):
+    """A function that, called, switches off dcp's deal pass (homes with heavy document pieces dealt over
+    their node's ranks, ``DEAL_PASS_FROM``) for the rest of the test."""
+
+    def skip():
+        import blockattn.planner.dcp as dcp_module
+
+        monkeypatch.setattr(dcp_module, "DEAL_PASS_FROM", float("inf"))
+
+    return skip

@@ -406,9 +406,9 @@ def test_defer_backward_groups_node_local_leaves_groups_read_from_other_nodes_in
     assert node_local.tolist() == [2, 2, 2, 2, 0, 0, 0, 0]
 
 
-def test_node_local_deferral_path_keeps_cross_node_partials_early(monkeypatch):
+def test_node_local_deferral_path_keeps_cross_node_partials_early(monkeypatch, skip_deal_pass):
     """8 ranks, 4 per node, 30K tokens of long-tail documents, lambda mask (the spread pass's batch,
-    without that pass): the deferral rounds followed once more with node-local variants
+    without that pass and the deal pass): the deferral rounds followed once more with node-local variants
     (``DEFER_VARIANT_SETS``) keep the groups whose dK/dV partials cross nodes in backward stage 0, where
     deferring them left a proxy's NIC sending the summed partials after all compute: 1.148 -> 1.077x
     the bound. The plans are checked (make_plan's default)."""
@@ -417,6 +417,7 @@ def test_node_local_deferral_path_keeps_cross_node_partials_early(monkeypatch):
 
     spec = MaskSpec.documents(_long_tail_docs(1, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
+    skip_deal_pass()  # (it would rescue the plain deferral's plan)
 
     def over_bound():
         clear_plan_cache()
@@ -446,7 +447,7 @@ def test_deferred_backward_hides_a_homes_idle_exchanges(skip_backward_deferral):
     assert deferred < 0.95 * step_over_bound()
 
 
-def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide(monkeypatch):
+def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide(monkeypatch, skip_deal_pass):
     """16 ranks, 8 per node, 42K tokens (two 4-16K-token documents among short ones: ~2.6K tokens per
     rank): the balancer's max(compute, transfers) estimate spreads the long documents across the
     nodes, and the staged execution cannot hide those transfers. Its homes balanced again with the
@@ -455,6 +456,7 @@ def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide
     import blockattn.planner.dcp as dcp_module
 
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)  # (the pass after it, from the kept homes too)
+    skip_deal_pass()  # (and the one after that)
     rng = np.random.default_rng(5)
     spec = MaskSpec.documents(rng.integers(4000, 16000, 2).tolist() + rng.integers(64, 2000, 20).tolist())
 
@@ -473,7 +475,7 @@ def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide
     assert shy[2] > plain[2]  # ... for compute left less balanced
 
 
-def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(monkeypatch):
+def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(monkeypatch, skip_deal_pass):
     """8 ranks, 4 per node, 30K tokens of long-tail documents, lambda mask: after the NIC-shy pass the plan
     is still over NIC_SHY_FROM x the bound, its home ranks sending the KV other nodes read through their
     own NICs. Its homes with those blocks dealt over their node's ranks (``_spread_homes``) plan faster:
@@ -485,6 +487,7 @@ def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(mo
     from blockattn.planner.tiles import TileSet
 
     monkeypatch.setattr(stages_module, "DEFER_VARIANT_SETS", stages_module.DEFER_VARIANT_SETS[:1])
+    skip_deal_pass()  # (the pass after it, which would rescue the plan without it)
 
     spec = MaskSpec.documents(_long_tail_docs(1, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
     topo = Topology(ranks_per_node=4)
@@ -507,14 +510,16 @@ def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(mo
         assert np.array_equal(start // 4, kept.block_home.numpy() // 4)
 
 
-def test_nic_shy_and_spread_passes_take_rounds(monkeypatch, skip_replan):
+def test_nic_shy_and_spread_passes_take_rounds(monkeypatch, skip_replan, skip_deal_pass):
     """8 ranks, 4 per node, 30K tokens of long-tail documents, lambda mask: where the spread pass wins,
     its homes go through the NIC-shy pass and the spread pass again (``PASS_ROUNDS``; each pass only
-    adds candidates): 1.288 -> 1.202x the bound against one round (without the re-plan that follows
-    the passes, which finds 1.117 from the one-round plan). The plans are checked (make_plan's default)."""
+    adds candidates): 1.288 -> 1.202x the bound against one round (without the deal pass and the
+    re-plan that follow the passes, which rescue the one-round plan). The plans are checked (make_plan's
+    default)."""
     import blockattn.planner.dcp as dcp_module
 
     skip_replan()
+    skip_deal_pass()
     spec = MaskSpec.documents(_long_tail_docs(16, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
 
     def over_bound():
@@ -680,6 +685,60 @@ def test_dcp_replans_its_slowest_plans_with_the_overlap_estimate(monkeypatch, sk
     clear_plan_cache()
 
 
+def test_dcp_deal_pass_keeps_homes_with_a_heavy_piece_dealt_over_its_node(monkeypatch, skip_replan):
+    """A multi-node plan still over DEAL_PASS_FROM x the bound after the NIC-shy and spread passes is weighed
+    against homes with every heavy document piece dealt over its node's ranks (``_dealt_homes``), the
+    faster plan kept: 8 ranks in two nodes of four, a 9110-token document among six shorter ones, 1.257 ->
+    1.078x the bound, on one of the dealt homes (make_plan checks the plan)."""
+    import blockattn.planner.dcp as dcp_module
+
+    spec = MaskSpec.documents([9110, 4563, 5977, 521, 1507, 935, 1588])
+    topo = Topology(ranks_per_node=4)
+    skip_replan()
+    real_dealt_homes = dcp_module._dealt_homes
+    offered = []
+
+    def spy(*args, **kwargs):
+        homes = real_dealt_homes(*args, **kwargs)
+        offered.extend(homes)
+        return homes
+
+    monkeypatch.setattr(dcp_module, "_dealt_homes", spy)
+    sim = lambda plan: plan.stats()["sim_time_fwd"] + plan.stats()["sim_time_bwd"]  # noqa: E731
+    clear_plan_cache()
+    dealt = make_plan(spec, 8, block_size=64, topology=topo, **HEADS)
+    assert offered and any(np.array_equal(dealt.block_home.numpy(), home) for home in offered)
+    offered.clear()
+    monkeypatch.setattr(dcp_module, "DEAL_PASS_FROM", float("inf"))
+    clear_plan_cache()
+    without = make_plan(spec, 8, block_size=64, topology=topo, **HEADS)
+    assert not offered
+    assert sim(dealt) < 0.9 * sim(without)
+    clear_plan_cache()
+
+
+def test_a_dealt_plan_that_moves_more_bytes_must_gain_in_proportion(monkeypatch):
+    """``_worth_its_bytes``: a faster dealt plan moving as many bytes or fewer is kept for any gain; one
+    moving more only for a time gain over (BYTES_SLACK - 1) x its bytes over the other's."""
+    import blockattn.planner.dcp as dcp_module
+    from blockattn.planner.placement import Placement
+
+    def plan(sim_time, nbytes):
+        placement = Placement(block_home=np.zeros(1, dtype=np.int64), tile_rank=np.zeros(0, dtype=np.int64),
+                              tile_stage=np.zeros(0, dtype=np.int64), sim_time=sim_time)
+        moved[id(placement)] = nbytes
+        return placement
+
+    moved = {}
+    monkeypatch.setattr(dcp_module, "_schedule_bytes", lambda tiles, placement, sizes: moved[id(placement)])
+    slack = dcp_module.BYTES_SLACK - 1.0
+    result = plan(1.0, 100.0)
+    for sim_time, nbytes, kept in [(0.999, 100.0, True), (0.999, 50.0, True), (1 - 0.9 * slack, 101.0, False),
+                                   (1 - 1.1 * slack, 100.0, True), (1 - 1.9 * slack, 200.0, False),
+                                   (1 - 2.1 * slack, 200.0, True), (0.91, 480.0, False), (0.9, 480.0, True)]:
+        assert dcp_module._worth_its_bytes(None, plan(sim_time, nbytes), result, {}) is kept, (sim_time, nbytes)
+
+
 def test_nic_shy_pass_without_whole_merged_seed_homes_keeps_the_plan(monkeypatch):
     """Regression (found by fuzzing): 30 ranks, 3 per node, 65K tokens in blocks of 32 are planned on
     merged blocks, and the kept plan's homes are not whole merged blocks, so they cannot seed the
@@ -834,12 +893,12 @@ def test_a_donor_bound_by_its_nic_sheds_compute_to_a_node_mate_only_with_spread_
     assert b.C.tolist() == ([2, 1, 3, 4] if spread else [3, 0, 3, 4])
     assert b.send[0, 1] == 20 * Topology().inter_bw  # the NIC untouched either way
 
-def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferral):
+def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferral, skip_deal_pass):
     """A 12K-token document in 24K tokens on three nodes of two ranks: the first plan is ~1.9x the
     bound, so dcp plans again with spread sends (from SECOND_OPINION_INITS and from the first plan's
     homes), gives the finalists within RECHECK of the fastest their transit relays, and keeps the
     fastest plan, here a second-opinion one, consistent. (Without the final backward deferral and the
-    NIC-shy and spread passes after it, which would change the plan compared.)"""
+    NIC-shy, spread and deal passes after it, which would change the plan compared.)"""
     from blockattn.planner import check_plan, clear_plan_cache
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.tiles import TileSet
@@ -847,6 +906,7 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferra
     skip_backward_deferral()
     monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
+    skip_deal_pass()
 
     spec = MaskSpec.documents([12000, 2552, 2127, 2171, 1288, 2650, 578, 1210])
     topo = Topology(ranks_per_node=2)
@@ -902,7 +962,7 @@ def test_second_opinion_seeds_merged_blocks_only_with_whole_homes():
     assert counts.max() - counts.min() <= dcp_module.coarsening_factor(tiles, 4)
 
 
-def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch, skip_replan):
+def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch, skip_replan, skip_deal_pass):
     """The second opinion starts from the homes of the kept plan and of every first-pass finalist (a
     slower first plan's homes may balance better with spread sends), each distinct start planned once."""
     from blockattn.planner import dcp as dcp_module
@@ -932,6 +992,7 @@ def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch, sk
     monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())  # (its pass re-balances the kept homes the same way)
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)  # (and so does the spread pass, from spread homes)
     skip_replan()  # (the re-plan would seed its own second opinion)
+    skip_deal_pass()  # (and so would the deal pass, from dealt homes)
     dcp_module.dcp(tiles, 6, cost_model=cm, max_stages=4, **sizes)
     assert len(seeds) == 1  # (the first plan is over SECOND_OPINION x the bound)
     for first in firsts:
@@ -1258,6 +1319,83 @@ def test_spread_read_blocks_deals_a_nodes_read_blocks_over_its_ranks(world_size,
             assert dealt.max() - dealt[dealt < count[ranks]].min(initial=dealt.max()) <= 1, (n, dealt, count[ranks])
     assert np.array_equal(dcp_module._initial_home(tiles, world_size, "hierarchical-spread", CostModel(topology=topo),
                                                    sizes), spread)
+
+
+@pytest.mark.parametrize("world_size,ranks_per_node", [(8, 4), (6, 4), (9, 3)])
+def test_deal_heavy_pieces_deals_only_the_pieces_heavier_than_a_rank(world_size, ranks_per_node):
+    """``deal_heavy_pieces`` (the deal pass's starts): a 20K-token causal document, cut over nodes by
+    "hierarchical" into contiguous runs; inside each node the blocks of its piece of the document, which
+    holds several ranks' shares of compute there, are dealt round-robin over the node's ranks, so every
+    rank holds about as many of them; the short documents' blocks stay where room allows. Every rank
+    keeps its block count, every block its node, and homes with no heavy piece come back unchanged."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.tiles import TileSet
+
+    lens = [3000, 20000, 1000, 4000, 500]
+    tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(128))
+    topo = Topology(ranks_per_node=ranks_per_node)
+    sizes = dict(element_size=2, grad_element_size=4, **HEADS)
+    home = dcp_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
+    dealt = dcp_module.deal_heavy_pieces(tiles, home, world_size, topo)
+    assert np.array_equal(np.bincount(dealt, minlength=world_size), np.bincount(home, minlength=world_size))
+    node = home // ranks_per_node
+    assert np.array_equal(dealt // ranks_per_node, node)
+    long_doc = np.zeros(tiles.num_blocks, dtype=bool)
+    long_doc[(3000 + 127) // 128: (23000 - 1) // 128 + 1] = True  # blocks holding its tokens
+    row = np.bincount(tiles.q, weights=tiles.pairs, minlength=tiles.num_blocks)
+    share = row.sum() / world_size
+    count = np.bincount(home, minlength=world_size)
+    heavy_nodes = 0
+    for n in np.unique(node):
+        ranks = np.arange(n * ranks_per_node, min((n + 1) * ranks_per_node, world_size))
+        piece = long_doc & (node == n)
+        if row[piece].sum() <= 1.5 * share:
+            continue  # (a light piece may or may not be dealt: the segments cut at block boundaries)
+        heavy_nodes += 1
+        held = np.bincount(dealt[piece], minlength=world_size)[ranks]
+        assert held.max() - held[held < count[ranks]].min(initial=held.max()) <= 1, (n, held, count[ranks])
+        # round-robin: consecutive blocks of the piece on different ranks, where two ranks have room
+        assert np.all(np.diff(dealt[piece])[: len(ranks) - 1] != 0)
+    assert heavy_nodes >= 1
+    # short documents only (each lighter than a rank's share): nothing is dealt
+    tiles = TileSet.from_block_mask(MaskSpec.documents([700] * 40).block_mask(128))
+    home = dcp_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
+    assert np.array_equal(dcp_module.deal_heavy_pieces(tiles, home, world_size, topo), home)
+
+
+@given(lens=st.lists(st.integers(1, 20_000), min_size=1, max_size=10), world_size=st.integers(2, 12),
+       ranks_per_node=st.integers(1, 6), block=st.sampled_from([64, 128]))
+def test_deal_heavy_pieces_keeps_memory_and_nodes_and_spreads_every_heavy_piece(lens, world_size, ranks_per_node,
+                                                                                block):
+    """``deal_heavy_pieces`` on any batch: every rank keeps its block count, every block its node; the
+    blocks of a piece heavier than a rank's share (by the function's own rule) land on as many of its
+    node's ranks as hold room for them, up to the piece's size; a home with none comes back as it was."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.fcp import segments
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(block))
+    topo = Topology(ranks_per_node=ranks_per_node)
+    sizes = dict(element_size=2, grad_element_size=4, **HEADS)
+    home = dcp_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
+    dealt = dcp_module.deal_heavy_pieces(tiles, home, world_size, topo)
+    assert np.array_equal(np.bincount(dealt, minlength=world_size), np.bincount(home, minlength=world_size))
+    assert np.array_equal(dealt // ranks_per_node, home // ranks_per_node)
+    bounds = segments(tiles, documents=True)
+    segment = np.searchsorted(bounds, np.arange(tiles.num_blocks), side="right") - 1
+    node = home // ranks_per_node
+    row = np.bincount(tiles.q, weights=tiles.pairs, minlength=tiles.num_blocks)
+    share = row.sum() / world_size
+    any_heavy = False
+    for s, n in set(zip(segment.tolist(), node.tolist())):
+        piece = (segment == s) & (node == n)
+        if row[piece].sum() <= dcp_module.DEAL_PIECE_FROM * share:
+            continue
+        any_heavy = True
+        with_room = np.count_nonzero(np.bincount(home[node == n], minlength=world_size))
+        assert np.unique(dealt[piece]).size >= min(with_room, int(piece.sum()))
+    if not any_heavy:
+        assert np.array_equal(dealt, home)
 
 
 def test_deal_blocks_by_hand():
