@@ -263,11 +263,11 @@ HOT_SPAN = 0.25
 # (a shared-question plan 1.59 -> 1.33); seed 777 16 / 8 1.0548 -> 1.0407, 16 / 4 1.0996 -> 1.0917, 32 /
 # 8 1.2273 -> 1.2015 (worst 1.682 -> 1.537), 32 (32) 1.0583 -> 1.0554; bf16 partials 16 / 8 1.0308 ->
 # 1.0284, 16 / 4 1.0544 -> 1.0481, 32 / 8 1.1227 -> 1.1194. 1M tokens / 64 ranks, six Wikipedia
-# batches: 1.23 -> 1.06, 1.14 -> 1.06, 1.30 -> 1.22 (three unchanged), for +4% planning in all (+9-23%
-# on the 128K multi-node cases). Before the NIC-shy pass instead (the later passes then start from the
+# batches: 1.23 -> 1.06, 1.14 -> 1.06, 1.30 -> 1.22 (three unchanged), for +4% planning in all (+10-26%
+# on the 128K 16 / 4 and 32 / 8 cases). Before the NIC-shy pass instead (the later passes then start from the
 # dealt plan): gains about as large, but six of 126 multi-node plans slower; from "hierarchical" alone:
-# held out 32 / 8 1.2290, from the kept plan alone 16 / 4 1.0839 (both without the bytes rule, which
-# took 1.2206 -> 1.2227 there).
+# held out 16 / 4 1.0839 (against 1.0810), from the kept plan alone 32 / 8 1.2290 (against 1.2206; all
+# three without the bytes rule, which took 32 / 8 1.2206 -> 1.2227).
 DEAL_PASS_FROM = 1.05
 DEAL_PIECE_FROM = 1.0  # a piece's rows on a node above this many ranks' shares of compute are dealt
 
