@@ -158,9 +158,6 @@ class Balancer:
     def comm_time(self, r: int) -> float:
         return float(((self.send[r] + self.recv[r]) / self.bw).max())
 
-    def time(self, r: int) -> float:
-        return max(self.C[r], self.comm_time(r))
-
     def _estimate(self, compute, comm):
         """A rank's time as the balancer weighs it: max(C, X), plus ``overlap`` x min(C, X) (the part of
         the shorter one the stages leave exposed); scalars or arrays."""

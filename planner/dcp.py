@@ -343,7 +343,7 @@ def deal_heavy_pieces(tiles: TileSet, home: np.ndarray, world_size: int, topolog
     from .fcp import segments
 
     bounds = segments(tiles, documents=True)
-    segment = np.searchsorted(bounds, np.arange(tiles.num_blocks), side="right") - 1
+    segment = runs_to_home(bounds, np.arange(bounds.size - 1), tiles.num_blocks)  # each block's segment
     piece = segment * world_size + home // topology.ranks_per_node  # (segment, node)
     row = np.bincount(tiles.q, weights=tiles.pairs, minlength=tiles.num_blocks)
     heavy = np.bincount(piece, weights=row) > DEAL_PIECE_FROM * row.sum() / world_size
@@ -523,10 +523,8 @@ def _dealt_homes(tiles: TileSet, placement: Placement, world_size: int, cost_mod
     """The homes of "hierarchical" (on one node "contiguous") and of ``placement`` with their heavy pieces
     dealt over their nodes' ranks (``deal_heavy_pieces``), each where that changes it and once; dealt as
     merged blocks where the batch is planned on them (the seeds of ``_dcp(second_opinion=...)``)."""
-    factor = coarsening_factor(tiles, world_size)
-    coarse = coarsen(tiles, factor)[0] if factor > 1 else tiles
+    coarse, kept, of_block = _as_planned(tiles, world_size, placement.block_home)
     homes = [_initial_home(coarse, world_size, "hierarchical", cost_model, sizes)]
-    kept = merged_home(placement.block_home, factor, coarse.num_blocks)
     if kept is not None:
         homes.append(kept)
     dealt = []
@@ -534,8 +532,15 @@ def _dealt_homes(tiles: TileSet, placement: Placement, world_size: int, cost_mod
         home_dealt = deal_heavy_pieces(coarse, home, world_size, cost_model.topology)
         if not np.array_equal(home_dealt, home) and not any(np.array_equal(home_dealt, seen) for seen in dealt):
             dealt.append(home_dealt)
-    of_block = np.arange(tiles.num_blocks) // factor
     return [home[of_block] for home in dealt]
+
+
+def _as_planned(tiles: TileSet, world_size: int, home: np.ndarray) -> tuple:
+    """(the blocks dcp plans this batch on - merged where ``coarsening_factor`` merges them -, ``home`` as
+    their homes or None where it does not keep them whole, each real block's merged block)."""
+    factor = coarsening_factor(tiles, world_size)
+    coarse = coarsen(tiles, factor)[0] if factor > 1 else tiles
+    return coarse, merged_home(home, factor, coarse.num_blocks), np.arange(tiles.num_blocks) // factor
 
 
 def merged_home(home: np.ndarray, factor: int, num_merged: int) -> np.ndarray | None:
@@ -551,10 +556,7 @@ def _spread_homes(tiles: TileSet, placement: Placement, world_size: int, topolog
     first exchange dealt (``deal_blocks``): that exchange has no earlier one to send them ahead through
     a node-mate (a transit rank), so one home's NIC carries them all behind stage 0's compute. Dealt
     as merged blocks where the batch is planned on them (the seeds of ``_dcp(second_opinion=...)``)."""
-    factor = coarsening_factor(tiles, world_size)
-    coarse = coarsen(tiles, factor)[0] if factor > 1 else tiles
-    of_block = np.arange(tiles.num_blocks) // factor
-    home = merged_home(placement.block_home, factor, coarse.num_blocks)
+    coarse, home, of_block = _as_planned(tiles, world_size, placement.block_home)
     if home is None:
         return []  # not whole merged blocks: no seed survives merging
     fwd = placement.schedule.fwd.numpy().astype(np.int64)

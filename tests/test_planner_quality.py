@@ -688,7 +688,7 @@ def test_dcp_replans_its_slowest_plans_with_the_overlap_estimate(monkeypatch, sk
     clear_plan_cache()
 
 
-def test_dcp_deal_pass_keeps_homes_with_a_heavy_piece_dealt_over_its_node(monkeypatch, skip_replan):
+def test_dcp_deal_pass_keeps_homes_with_a_heavy_piece_dealt_over_its_node(monkeypatch, skip_replan, skip_deal_pass):
     """A multi-node plan still over DEAL_PASS_FROM x the bound after the NIC-shy and spread passes is weighed
     against homes with every heavy document piece dealt over its node's ranks (``_dealt_homes``), the
     faster plan kept: 8 ranks in two nodes of four, a 9110-token document among six shorter ones, 1.257 ->
@@ -712,7 +712,7 @@ def test_dcp_deal_pass_keeps_homes_with_a_heavy_piece_dealt_over_its_node(monkey
     dealt = make_plan(spec, 8, block_size=64, topology=topo, **HEADS)
     assert offered and any(np.array_equal(dealt.block_home.numpy(), home) for home in offered)
     offered.clear()
-    monkeypatch.setattr(dcp_module, "DEAL_PASS_FROM", float("inf"))
+    skip_deal_pass()
     clear_plan_cache()
     without = make_plan(spec, 8, block_size=64, topology=topo, **HEADS)
     assert not offered
