@@ -11,6 +11,10 @@ attention heads; 1M / 64 with one and with two worker processes), it records per
 synchronous planning time, the time the loop waited for the planned-ahead plan, and the hand-over
 costs, and writes them to JSON. A worker keeps up while planning a batch takes less than a step.
 
+Planning shared by a group (``map(group=...)``): 1M / 64 again with ``--shared-ranks`` gloo ranks on
+this machine, one worker each, every rank planning every G-th batch and receiving the others' plans by
+broadcast; it records each rank's waits and how many batches it planned.
+
     python bench/bench_plan_ahead.py [--steps 8] [--step-s 1.0] [--out bench/results/bench_plan_ahead.json]
 """
 
@@ -77,19 +81,73 @@ def run_config(tokens: int, world_size: int, steps: int, step_s: float, seed: in
             "fingerprint_matches_in_process_plan": fingerprints_match}
 
 
+def _shared_rank(rank: int, ranks: int, port: int, tokens: int, world_size: int, steps: int, step_s: float,
+                 seed: int, out) -> None:
+    """One rank of the shared-planning run: PlanAhead(workers=1).map(group=WORLD) in a simulated loop."""
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
+                            timeout=datetime.timedelta(seconds=1800))
+    try:
+        rng = np.random.default_rng(seed)
+        wiki = np.loadtxt(SEQLENS, dtype=np.int64)
+        lens = [wiki_batch(rng, wiki, tokens) for _ in range(steps)]
+        with PlanAhead(world_size, workers=1, **HEADS) as planner:
+            planner._started.result()
+            dist.barrier()
+            waits_ms, fingerprints = [], []
+            plans = planner.map((MaskSpec.documents(doc_lens) for doc_lens in lens), depth=2, group=dist.group.WORLD)
+            for _ in lens:
+                t0 = time.perf_counter()
+                plan = next(plans)
+                waits_ms.append(1e3 * (time.perf_counter() - t0))
+                fingerprints.append(plan.fingerprint())
+                time.sleep(step_s)
+        out.put({"rank": rank, "waits_ms": waits_ms, "planned_batches": list(range(rank, steps, ranks)),
+                 "fingerprints": fingerprints})
+    finally:
+        dist.destroy_process_group()
+
+
+def run_shared(tokens: int, world_size: int, steps: int, step_s: float, seed: int, ranks: int) -> dict:
+    """``run_config`` with planning shared by ``ranks`` gloo ranks (one worker each)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_shared_rank, args=(ranks, port, tokens, world_size, steps, step_s, seed, queue), nprocs=ranks, join=True)
+    per_rank = sorted((queue.get() for _ in range(ranks)), key=lambda r: r["rank"])
+    steady = [w for r in per_rank for w in r["waits_ms"][1:]]
+    return {"tokens": tokens, "world_size": world_size, "shared_by_ranks": ranks, "workers_per_rank": 1,
+            "steps": steps, "step_s": step_s, "per_rank": [{k: v for k, v in r.items() if k != "fingerprints"}
+                                                          for r in per_rank],
+            "ahead_wait_ms_steady_median": float(np.median(steady)), "ahead_wait_ms_steady_max": float(np.max(steady)),
+            "same_plans_on_every_rank": all(r["fingerprints"] == per_rank[0]["fingerprints"] for r in per_rank)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--step-s", type=float, default=1.0, help="simulated GPU time of one training step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shared-ranks", type=int, default=2, help="ranks sharing the planning (0: skip)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "bench_plan_ahead.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     # one worker keeps up while a plan takes less than a step; at 1M / 64 on a slow CPU it may not
     results = [run_config(tokens, world_size, args.steps, args.step_s, args.seed, workers)
                for tokens, world_size, workers in ((128 * 1024, 8, 1), (1 << 20, 64, 1), (1 << 20, 64, 2))]
+    shared = ([run_shared(1 << 20, 64, args.steps, args.step_s, args.seed, args.shared_ranks)]
+              if args.shared_ranks > 1 else [])
     report = {"config": {"heads": HEADS, "strategy": "dcp", "host": platform.node(), "cpu_count": os.cpu_count()},
-              "results": results}
+              "results": results, "shared": shared}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
@@ -100,6 +158,12 @@ def main() -> None:
               f" unpickled in {r['plan_unpickle_ms']:.1f} ms off the loop's thread; spec {r['spec_pickle_bytes']} B"
               f" in {r['spec_pickle_ms']:.2f} ms); worker start {r['worker_startup_s']:.1f} s;"
               f" same plan as in-process: {r['fingerprint_matches_in_process_plan']}")
+    for r in shared:
+        print(f"{r['tokens'] // 1024}K tokens / {r['world_size']} ranks, planning shared by {r['shared_by_ranks']} ranks"
+              f" (one worker each): the step waits {r['ahead_wait_ms_steady_median']:.2f} ms median,"
+              f" {r['ahead_wait_ms_steady_max']:.2f} ms max; each rank planned "
+              f"{[len(p['planned_batches']) for p in r['per_rank']]} of {r['steps']} batches;"
+              f" same plans on every rank: {r['same_plans_on_every_rank']}")
     print(f"wrote {out}")
 
 

@@ -8,6 +8,8 @@ once with a Future; the plan is built by ``make_plan`` in a worker process and a
 Lifecycle: construct (validates the planning arguments, starts the workers), ``submit`` / ``map``,
 ``close`` (or use it as a context manager). Every rank can run its own PlanAhead: plans are
 deterministic, so every rank receives the identical plan (``block_attention`` checks fingerprints).
+With ``map(..., group=...)`` the ranks of a group share the work instead: each plans every G-th
+batch and broadcasts it to the others (planner/sharded.py).
 Workers start with "spawn" (safe beside CUDA and threads), which re-imports the main module: as
 with DataLoader workers, the training script needs the ``if __name__ == "__main__":`` guard.
 
@@ -33,10 +35,11 @@ import torch
 from .api import check_mask_spec, check_plan_args, make_plan
 from .cost_model import Topology
 from .plan import Plan
+from .sharded import HandOver
 
 _DEAD_WORKER = ("a planning worker process died (killed, e.g. out of memory, or crashed); the plans in flight "
                 "are lost: close this PlanAhead and create a new one")
-DEFAULT_TIMEOUT_S = 600.0  # longest wait for one plan in ``map`` (a 1M-token / 64-rank plan takes ~2 s)
+DEFAULT_TIMEOUT_S = 600.0  # longest wait for one plan in ``map`` (a 1M-token / 64-rank plan takes 3-20 s)
 
 
 def _init_worker() -> None:
@@ -79,11 +82,19 @@ class PlanAhead:
         self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(mp_context),
                                          initializer=_init_worker)
         self._started = self._pool.submit(_ready)  # start the workers now, not at the first batch
+        self._handover = HandOver()  # map(group=...)'s hand-over groups, made at the first such map
 
     # ------------------------------------------------------------------ post
     def submit(self, mask_spec) -> "Future[Plan]":
         """Start planning ``mask_spec``; the Future's ``result()`` is the Plan (or raises what
         ``make_plan`` raised, e.g. ValueError for a bad block size)."""
+        planned = self._submit_pickled(mask_spec)
+        plan: Future = Future()
+        planned.add_done_callback(lambda done: _unpickle_into(done, plan))
+        return plan
+
+    def _submit_pickled(self, mask_spec) -> "Future[bytes]":
+        """``submit``, the plan left pickled (as the worker returns it)."""
         if self._pool is None:
             raise RuntimeError("PlanAhead is closed; create a new one to plan more batches")
         check_mask_spec(mask_spec)
@@ -94,38 +105,54 @@ class PlanAhead:
                             "mask needs a module-level function (not a lambda or closure); or plan it in "
                             "this process with make_plan") from err
         try:
-            planned = self._pool.submit(_plan_pickled, spec_bytes, self.world_size, self._kwargs)
+            return self._pool.submit(_plan_pickled, spec_bytes, self.world_size, self._kwargs)
         except BrokenProcessPool as err:
             raise RuntimeError(_DEAD_WORKER) from err
-        plan: Future = Future()
-        planned.add_done_callback(lambda done: _unpickle_into(done, plan))
-        return plan
 
     # ------------------------------------------------------------------ post + wait, in order
-    def map(self, mask_specs: Iterable, *, depth: int = 2, timeout: float | None = DEFAULT_TIMEOUT_S) -> Iterator[Plan]:
+    def map(self, mask_specs: Iterable, *, depth: int = 2, timeout: float | None = DEFAULT_TIMEOUT_S,
+            group=None) -> Iterator[Plan]:
         """The plans of ``mask_specs``, in order, keeping ``depth`` of them in flight ahead of the
         one being consumed (iterate it beside the data loader). ``timeout``: seconds to wait for
-        one plan before TimeoutError (None: wait forever)."""
+        one plan before TimeoutError (None: wait forever).
+
+        ``group``: a torch.distributed process group (e.g. the context-parallel group, or
+        ``torch.distributed.group.WORLD``) whose ranks all iterate the same ``mask_specs``: planning is
+        then shared, batch k planned only by the group's rank k % G and broadcast to the others as it
+        is consumed (planner/sharded.py), so each rank plans 1/G of the batches, ``depth`` of its own
+        in flight; ``mask_specs`` is then read ahead by a background thread, which also hands the plans
+        over (on a gloo group of the same ranks, made at the first such ``map`` with ``timeout`` plus
+        HANDOVER_MARGIN_S as its timeout). Every rank of the group must consume every plan, in order
+        (a collective); ranks that disagree on the batches, and a batch whose planning fails, raise the
+        same error on every rank."""
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+        if group is not None and _group_size(group) > 1:
+            yield from self._handover.start(self, mask_specs, depth=depth, timeout=timeout, group=group)
+            return
         specs = iter(mask_specs)
         pending = deque(self.submit(spec) for spec in itertools.islice(specs, depth))
         while pending:
             plan = pending.popleft()
             for spec in itertools.islice(specs, 1):
                 pending.append(self.submit(spec))
-            try:
-                result = plan.result(timeout=timeout)
-            except FutureTimeout:
-                raise TimeoutError(f"no plan after {timeout} s: the planning worker is stuck or far slower than "
-                                   "expected; raise timeout= or check the worker processes") from None
-            except BrokenProcessPool as err:
-                raise RuntimeError(_DEAD_WORKER) from err
-            yield result
+            yield self._wait_for(plan, timeout)
+
+    @staticmethod
+    def _wait_for(future: Future, timeout: float | None):
+        """``future.result(timeout)``, a stuck or dead worker reported as TimeoutError / RuntimeError."""
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"no plan after {timeout} s: the planning worker is stuck or far slower than "
+                               "expected; raise timeout= or check the worker processes") from None
+        except BrokenProcessPool as err:
+            raise RuntimeError(_DEAD_WORKER) from err
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Stop the workers (plans in flight are finished first)."""
+        """Stop the workers (plans in flight are finished first) and a shared ``map``'s hand-over."""
+        self._handover.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -143,6 +170,17 @@ class PlanAhead:
                 pool.shutdown(wait=False, cancel_futures=True)
             except Exception:  # noqa: BLE001 - interpreter shutdown: the pool's own exit hook stops the workers
                 pass
+
+
+def _group_size(group) -> int:
+    """Ranks in a torch.distributed process group (ValueError before torch.distributed is initialized)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("PlanAhead.map(group=...) shares planning over a torch.distributed process group: "
+                         "call torch.distributed.init_process_group first, or pass group=None to plan every "
+                         "batch on this rank")
+    return dist.get_world_size(group)
 
 
 def _unpickle_into(done: Future, plan: Future) -> None:

@@ -8,43 +8,19 @@ Most cases use the "torch" backend (fast on CPU); one runs the Triton kernels un
 """
 from __future__ import annotations
 
-import datetime
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn_gloo import spawn
 
 from blockattn import MaskSpec
 
-GLOO_TIMEOUT_S = 120  # a bug that leaves a peer waiting fails the test instead of hanging CI
 # as in the kernel tests (tests/test_kernels.py): error <= FACTOR x same-dtype eager error + ATOL
 FACTOR = 4.0
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 # ----------------------------------------------------------------------------- harness
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, case_name: str) -> None:
-    torch.set_num_threads(1)  # several ranks share 2 cores: intra-op threads would only oversubscribe
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
-    try:
-        globals()[case_name](rank, world)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(case_name: str, world: int) -> None:
-    mp.spawn(_entry, args=(world, _free_port(), case_name), nprocs=world, join=True)
-
-
 def _inputs(T, Hq, Hkv, D, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(T, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv, Hq))
@@ -429,24 +405,24 @@ def _errors_world3(rank, world):
 
 # ----------------------------------------------------------------------------- tests
 def test_every_mask_kind_two_ranks_with_triton_case():
-    _spawn("_every_mask_world2", 2)
+    spawn(_every_mask_world2, 2)
 
 
 def test_masks_gqa_bf16_lse_grad_three_ranks():
-    _spawn("_masks_world3", 3)
+    spawn(_masks_world3, 3)
 
 
 def test_baseline_strategies_agree_four_ranks():
-    _spawn("_strategies_world4", 4)
+    spawn(_strategies_world4, 4)
 
 
 def test_strategies_awkward_lengths_five_ranks():
-    _spawn("_strategies_world5", 5)
+    spawn(_strategies_world5, 5)
 
 
 def test_mismatches_raise_on_every_rank_and_subgroups():
-    _spawn("_errors_world3", 3)
+    spawn(_errors_world3, 3)
 
 
 def test_node_relays_six_ranks_three_nodes():
-    _spawn("_relays_world6", 6)
+    spawn(_relays_world6, 6)

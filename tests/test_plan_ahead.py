@@ -92,3 +92,90 @@ def test_a_dead_worker_is_reported_not_hung():
         with pytest.raises(RuntimeError, match="worker process died"):
             for _ in pa.map([MaskSpec.causal(64)] * 3, timeout=120):
                 pass
+
+
+# ----------------------------------------------------------------------------- planning shared by a group
+SHARED_SPECS = 7  # batches per rank list: with 3 ranks each plans 3, 2 and 2 of them
+
+
+def _shared_planning_world3(rank: int, world: int) -> None:
+    """On every rank of a 3-rank gloo group: ``map(group=...)`` yields make_plan's plans in order while
+    this rank plans only its batches (k % 3 == rank); disagreements and a failing batch raise the same
+    error on every rank and leave the group usable."""
+    import torch.distributed as dist
+
+    docs = [[1, 130, 7, 300, 33], [64] * 8, [500, 12], [3, 3, 3, 400], [257], [100, 100, 100, 100], [37, 290]]
+    batch = [MaskSpec.documents(d) for d in docs]
+    with PlanAhead(3, **PLAN) as pa:
+        planned_here = []
+        submit = pa._submit_pickled
+        pa._submit_pickled = lambda spec: planned_here.append(spec.signature()) or submit(spec)
+        plans = list(pa.map(batch, depth=2, group=dist.group.WORLD))
+        assert [plan.mask_signature for plan in plans] == [spec.signature() for spec in batch]
+        for spec, plan in zip(batch, plans):
+            clear_plan_cache()
+            assert plan.fingerprint() == make_plan(spec, 3, **PLAN).fingerprint()
+        assert planned_here == [spec.signature() for spec in batch[rank::world]]
+        pa._submit_pickled = submit
+        dist.barrier()
+
+        # batch 1's planning fails on its owner (rank 1): every rank raises it, after batch 0
+        failing = [batch[0], MaskSpec.from_mask_mod(fails_beyond_probe, 200), batch[2]]
+        got = []
+        with pytest.raises(ValueError, match=r"failed on the full batch \(batch 1, planned by rank 1 of the group\)"):
+            for plan in pa.map(failing, group=dist.group.WORLD):
+                got.append(plan.mask_signature)
+        assert got == [batch[0].signature()]
+        dist.barrier()
+
+        # rank 2 passes another batch 1: every rank raises, naming the ranks per mask
+        mine = list(batch[:3])
+        if rank == 2:
+            mine[1] = MaskSpec.documents([64] * 7 + [63])
+        with pytest.raises(ValueError, match=r"at batch 1 the ranks of the group pass different mask specs "
+                                             r"\(ranks by mask signature: \[\[0, 1\], \[2\]\]\)"):
+            list(pa.map(mine, group=dist.group.WORLD))
+        dist.barrier()
+
+        # rank 0 has one batch more than the others
+        with pytest.raises(ValueError, match=r"at batch 2, ranks \[1, 2\] of the group have no batch left while "
+                                             r"ranks \[0\] do"):
+            list(pa.map(batch[:3] if rank == 0 else batch[:2], group=dist.group.WORLD))
+        dist.barrier()
+
+        # the owner of batch 0 gives up waiting: every rank raises TimeoutError
+        with pytest.raises(TimeoutError, match=r"no plan after 1e-06 s.*\(batch 0, planned by rank 0 of the group\)"):
+            list(pa.map([MaskSpec.documents([3000, 1000, 5])], timeout=1e-6, group=dist.group.WORLD))
+        dist.barrier()
+
+        # every rank stops consuming after the first plan and maps again: the first iteration ends
+        # on every rank at the same batch, and the second one starts cleanly
+        for plan in pa.map(batch, group=dist.group.WORLD):
+            break
+        assert [p.fingerprint() for p in pa.map(batch[:4], group=dist.group.WORLD)] == [
+            p.fingerprint() for p in plans[:4]]
+
+        # a subgroup (ranks 0 and 2): batches alternate between them, broadcast by global rank
+        sub = dist.new_group([0, 2])
+        if rank != 1:
+            assert [p.fingerprint() for p in pa.map(batch[:3], group=sub)] == [p.fingerprint() for p in plans[:3]]
+        dist.barrier()
+
+        # a group of one plans on this rank, as without a group
+        alone = dist.new_group([rank], use_local_synchronization=True)
+        assert [p.fingerprint() for p in pa.map(batch[:2], group=alone)] == [p.fingerprint() for p in plans[:2]]
+    dist.barrier()
+
+
+def test_map_shares_planning_over_a_group_and_fails_alike_on_every_rank():
+    from spawn_gloo import spawn
+
+    spawn(_shared_planning_world3, 3)
+
+
+def test_map_with_a_group_needs_torch_distributed(planner):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="init_process_group first"):
+        next(planner.map(specs(), group=object()))
