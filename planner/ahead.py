@@ -180,6 +180,9 @@ def _group_size(group) -> int:
         raise ValueError("PlanAhead.map(group=...) shares planning over a torch.distributed process group: "
                          "call torch.distributed.init_process_group first, or pass group=None to plan every "
                          "batch on this rank")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"PlanAhead.map(group=...): this rank ({dist.get_rank()}) is not a member of the group "
+                         f"(ranks {dist.get_process_group_ranks(group)}); pass the group this rank plans with")
     return dist.get_world_size(group)
 
 

@@ -159,6 +159,9 @@ def _shared_planning_world3(rank: int, world: int) -> None:
         sub = dist.new_group([0, 2])
         if rank != 1:
             assert [p.fingerprint() for p in pa.map(batch[:3], group=sub)] == [p.fingerprint() for p in plans[:3]]
+        else:
+            with pytest.raises(ValueError, match=r"this rank \(1\) is not a member of the group \(ranks \[0, 2\]\)"):
+                next(pa.map(batch[:3], group=sub))
         dist.barrier()
 
         # a group of one plans on this rank, as without a group
