@@ -504,7 +504,7 @@ def _deal_pass(tiles: TileSet, result: Placement, world_size: int, cost_model: C
                                   opinion_inits=(), deferred=True)
         else:
             alt, _ = _place(tiles, world_size, None, cost_model, max_stages, sizes, home=home, relays=False)
-            alt = with_deferred_backward(tiles, alt, world_size, cost_model, sizes)
+            alt = with_deferred_backward(tiles, alt, world_size, cost_model, sizes, beat=result.sim_time)
         if alt.sim_time < result.sim_time and _worth_its_bytes(tiles, alt, result, sizes):
             result = alt
     return result
@@ -568,7 +568,7 @@ def _spread_homes(tiles: TileSet, placement: Placement, world_size: int, topolog
 
 
 def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel,
-                           sizes: dict, node_local: bool = True) -> Placement:
+                           sizes: dict, node_local: bool = True, beat: float | None = None) -> Placement:
     """``placement`` scored, its backward restaged by ``Finisher.deferred`` where faster: after the
     candidates are compared, as it costs up to 4 * DEFER_ROUNDS backward schedule derivations. Skipped
     where the plan takes no longer than its busiest rank's compute, or where its own backward has no
@@ -579,16 +579,29 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
     with node-local variants too (planner/stages.py ``DEFER_VARIANT_SETS``), the faster kept; over the
     63 multi-node cases of the bench's batches (seed 0), held-out ones (seeds 1, 777) and bf16
     partials: 64 of 252 plans faster (up to 7.2%), one slower (1.3%: another candidate kept later);
-    32 / 8 1.1502 -> 1.1466, held out 1.2696 -> 1.2627 (worst 2.078 -> 1.928) and 1.2444 -> 1.2341."""
+    32 / 8 1.1502 -> 1.1466, held out 1.2696 -> 1.2627 (worst 2.078 -> 1.928) and 1.2444 -> 1.2341.
+
+    ``beat`` (seconds): the plan is only wanted if its deferral brings it under this; skipped where even a
+    fully hidden backward could not (its forward time, which deferral leaves as it is, plus its busiest
+    rank's backward compute), so the result is the same: 71 of the 121 second-opinion deferrals of the
+    bench's 32 / 8 cases, 10 of 42 over six 1M / 64 batches (-5% planning in both)."""
     placement = _scored(tiles, placement, world_size, cost_model, sizes)
     if world_size == 1:
         return placement
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
     if placement.sim_time <= _time_floor(placement.tile_rank, flops, world_size, cost_model) * (1 + 1e-3):
         return placement  # no transfer exposed anywhere that matters
-    # one cheap pass over the plan's own backward exchanges: nothing to defer, nothing to derive
     S = placement.schedule.num_stages
     compute_bwd = flops / cost_model.fwd_rate * cost_model.bwd_flops_factor
+    if beat is not None:
+        compute = np.bincount(placement.tile_rank * S + placement.tile_stage, weights=flops / cost_model.fwd_rate,
+                              minlength=world_size * S).reshape(world_size, S)
+        table = placement.schedule.table("fwd").numpy().astype(np.int64)
+        comm = cost_model.stage_comm_time(table, row_bytes(table, tiles.block_lengths(), **sizes), world_size, S)
+        busiest_bwd = np.bincount(placement.tile_rank, weights=compute_bwd, minlength=world_size).max()
+        if float(cost_model.overlapped_time(compute, comm).max() + busiest_bwd) >= beat:
+            return placement
+    # one cheap pass over the plan's own backward exchanges: nothing to defer, nothing to derive
     stage_bwd = placement.tile_stage_bwd
     load = np.bincount(placement.tile_rank * S + stage_bwd, weights=compute_bwd, minlength=world_size * S)
     table = placement.schedule.table("bwd").numpy().astype(np.int64)
@@ -671,7 +684,8 @@ def _second_opinion(tiles: TileSet, result: Placement, world_size: int, cost_mod
             # (the node-local deferral path only on the first pass's kept plan: on every finalist too it
             # cost the 1M / 64 plan 1.5 s more for 1.1466 -> 1.1416x the bound on the bench's 32 / 8
             # cases; deferring the passes' result that way again made the passes' gains non-monotone)
-            alt = with_deferred_backward(tiles, alt, world_size, cost_model, sizes, node_local=False)
+            alt = with_deferred_backward(tiles, alt, world_size, cost_model, sizes, node_local=False,
+                                         beat=result.sim_time)
         if alt.sim_time < result.sim_time:
             result = alt
     return result

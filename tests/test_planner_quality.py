@@ -447,6 +447,33 @@ def test_deferred_backward_hides_a_homes_idle_exchanges(skip_backward_deferral):
     assert deferred < 0.95 * step_over_bound()
 
 
+def test_a_deferral_that_cannot_beat_the_kept_plan_is_skipped_with_the_same_outcome():
+    """``with_deferred_backward(beat=...)`` (the passes compare each deferred candidate with the kept
+    plan): skipped where even a fully hidden backward could not bring the plan under ``beat``, so for
+    every ``beat`` the deferred plan beats it exactly when it would without the shortcut. The batch of
+    the test above, whose deferral gains (1.191 -> 1.080x the bound)."""
+    from blockattn.planner.dcp import _dcp_selected, _lower_bound, with_deferred_backward
+    from blockattn.planner.tiles import TileSet
+
+    rng = np.random.default_rng(0)
+    spec = MaskSpec.documents(rng.integers(8000, 24000, 3).tolist() + rng.integers(64, 3000, 12).tolist())
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    cost_model = CostModel(topology=Topology(ranks_per_node=8))
+    sizes = dict(HEADS, element_size=2, grad_element_size=4)
+    placement = _dcp_selected(tiles, 16, cost_model, 4, sizes, None)
+    deferred = with_deferred_backward(tiles, placement, 16, cost_model, sizes)
+    assert deferred.sim_time < 0.95 * placement.sim_time
+    bound = _lower_bound(tiles, 16, cost_model, sizes)
+    # under the bound nothing can beat: skipped, the placement comes back as it is
+    assert with_deferred_backward(tiles, placement, 16, cost_model, sizes, beat=bound) is placement
+    for beat in (bound, 1.02 * bound, deferred.sim_time, 1.001 * deferred.sim_time, placement.sim_time, np.inf):
+        shortcut = with_deferred_backward(tiles, placement, 16, cost_model, sizes, beat=beat)
+        assert (shortcut.sim_time < beat) == (deferred.sim_time < beat)
+        if shortcut.sim_time < beat:
+            assert shortcut.sim_time == deferred.sim_time
+            assert np.array_equal(shortcut.tile_stage_bwd, deferred.tile_stage_bwd)
+
+
 def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide(monkeypatch, skip_deal_pass):
     """16 ranks, 8 per node, 42K tokens (two 4-16K-token documents among short ones: ~2.6K tokens per
     rank): the balancer's max(compute, transfers) estimate spreads the long documents across the
