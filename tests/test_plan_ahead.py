@@ -167,6 +167,17 @@ def _shared_planning_world3(rank: int, world: int) -> None:
         # a group of one plans on this rank, as without a group
         alone = dist.new_group([rank], use_local_synchronization=True)
         assert [p.fingerprint() for p in pa.map(batch[:2], group=alone)] == [p.fingerprint() for p in plans[:2]]
+        dist.barrier()
+
+        # rank 1's worker dies: batch 1's planning is lost, and every rank says so
+        if rank == 1:
+            import os
+            import signal
+
+            for pid in list(pa._pool._processes):
+                os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"worker process died.*\(batch 1, planned by rank 1 of the group\)"):
+            list(pa.map(batch[:3], group=dist.group.WORLD))
     dist.barrier()
 
 
