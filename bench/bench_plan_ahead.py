@@ -95,19 +95,23 @@ def _shared_rank(rank: int, ranks: int, port: int, tokens: int, world_size: int,
         rng = np.random.default_rng(seed)
         wiki = np.loadtxt(SEQLENS, dtype=np.int64)
         lens = [wiki_batch(rng, wiki, tokens) for _ in range(steps)]
+        specs = [MaskSpec.documents(doc_lens) for doc_lens in lens]
+        signatures = [spec.signature() for spec in specs]
         with PlanAhead(world_size, workers=1, **HEADS) as planner:
             planner._started.result()
+            planned = []  # the batches this rank's workers planned, as submitted
+            submit = planner._submit_pickled
+            planner._submit_pickled = lambda spec: planned.append(signatures.index(spec.signature())) or submit(spec)
             dist.barrier()
             waits_ms, fingerprints = [], []
-            plans = planner.map((MaskSpec.documents(doc_lens) for doc_lens in lens), depth=2, group=dist.group.WORLD)
+            plans = planner.map(iter(specs), depth=2, group=dist.group.WORLD)
             for _ in lens:
                 t0 = time.perf_counter()
                 plan = next(plans)
                 waits_ms.append(1e3 * (time.perf_counter() - t0))
                 fingerprints.append(plan.fingerprint())
                 time.sleep(step_s)
-        out.put({"rank": rank, "waits_ms": waits_ms, "planned_batches": list(range(rank, steps, ranks)),
-                 "fingerprints": fingerprints})
+        out.put({"rank": rank, "waits_ms": waits_ms, "planned_batches": planned, "fingerprints": fingerprints})
     finally:
         dist.destroy_process_group()
 

@@ -39,7 +39,7 @@ from .sharded import HandOver
 
 _DEAD_WORKER = ("a planning worker process died (killed, e.g. out of memory, or crashed); the plans in flight "
                 "are lost: close this PlanAhead and create a new one")
-DEFAULT_TIMEOUT_S = 600.0  # longest wait for one plan in ``map`` (a 1M-token / 64-rank plan takes 3-20 s)
+DEFAULT_TIMEOUT_S = 600.0  # longest wait for one plan in ``map`` (a 1M-token / 64-rank plan takes 3-18 s)
 
 
 def _init_worker() -> None:
