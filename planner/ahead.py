@@ -82,7 +82,7 @@ class PlanAhead:
         self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(mp_context),
                                          initializer=_init_worker)
         self._started = self._pool.submit(_ready)  # start the workers now, not at the first batch
-        self._handover = HandOver()  # map(group=...)'s hand-over groups, made at the first such map
+        self._handover = HandOver()  # map(group=...)'s iterations
 
     # ------------------------------------------------------------------ post
     def submit(self, mask_spec) -> "Future[Plan]":

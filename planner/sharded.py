@@ -8,8 +8,8 @@ the planning time per batch. At 1M tokens / 64 ranks a plan takes seconds of CPU
 plans 64 batches in the time one rank plans one.
 
 The hand-over runs in a background thread per rank, on a gloo group of the same ranks made for it
-(``HandOver``: CPU tensors whatever the training backend, and the training's own collectives never
-interleave with it), so the training step only takes finished plans from a queue. Lifecycle of batch k, in every
+(``_handover_group``: CPU tensors whatever the training backend, and the training's own collectives
+never interleave with it), so the training step only takes finished plans from a queue. Lifecycle of batch k, in every
 rank's thread, in order:
 
 1. post: read the batches ahead until ``depth`` of this rank's own are being planned.
@@ -51,51 +51,68 @@ _ERROR_TYPES = {cls.__name__: cls for cls in (ValueError, TypeError, RuntimeErro
 _END = object()
 
 
+# The gloo groups plans are handed over on, one per ranks tuple, made at the first shared ``map`` over
+# them and kept for the process's life (under the default process group they were made in): a group
+# destroyed and made again over the same ranks reuses its hashed name, and peers that still hold the old
+# one, or the store's keys of its rendezvous, then hang or refuse the connection. One iteration at a time
+# runs on each (``_RUNNING``): a new one ends the last, whichever PlanAhead started it.
+_GROUPS: dict = {}
+_RUNNING: dict = {}
+_GROUPS_WORLD: list = [None]  # the default process group _GROUPS belong to
+
+
+def _handover_group(ranks: tuple, timeout: float | None):
+    """The hand-over gloo group of ``ranks`` (made by the first caller; every rank of it calls this)."""
+    import torch.distributed as dist
+
+    if _GROUPS_WORLD[0] is not dist.group.WORLD:  # torch.distributed initialized anew: its groups are gone
+        _GROUPS.clear()
+        _RUNNING.clear()
+        _GROUPS_WORLD[0] = dist.group.WORLD
+    if ranks not in _GROUPS:
+        wait = None if timeout is None else datetime.timedelta(seconds=timeout + HANDOVER_MARGIN_S)
+        _GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", timeout=wait, use_local_synchronization=True)
+    return _GROUPS[ranks]
+
+
 class HandOver:
-    """A PlanAhead's plan hand-overs: the gloo group of each process group's ranks (made at the first
-    ``map`` over them, kept until ``close``: creating one per ``map`` raced its predecessor's teardown)
-    and the SharedPlans iteration in progress (one at a time: a new one first ends the last)."""
+    """A PlanAhead's shared iterations: ``start`` ends the one running on the same ranks (each rank's
+    hand-over group carries one iteration at a time) and starts a new one; ``close`` ends its own."""
 
     def __init__(self):
-        self._groups: dict = {}
-        self._current: SharedPlans | None = None
+        self._mine: dict = {}  # ranks -> the SharedPlans this PlanAhead started
 
     def start(self, planner, mask_specs: Iterable, *, depth: int, timeout: float | None, group) -> "SharedPlans":
         import torch.distributed as dist
 
-        self._end_current(None)
         ranks = tuple(dist.get_process_group_ranks(group))
-        if ranks not in self._groups:
-            wait = None if timeout is None else datetime.timedelta(seconds=timeout + HANDOVER_MARGIN_S)
-            self._groups[ranks] = dist.new_group(list(ranks), backend="gloo", timeout=wait,
-                                                 use_local_synchronization=True)
-        self._current = SharedPlans(planner, mask_specs, depth=depth, timeout=timeout, group=self._groups[ranks])
-        return self._current
+        handover = _handover_group(ranks, timeout)
+        _end(_RUNNING.pop(ranks, None), None)
+        shared = SharedPlans(planner, mask_specs, depth=depth, timeout=timeout, group=handover)
+        _RUNNING[ranks] = self._mine[ranks] = shared
+        return shared
 
     def close(self) -> None:
-        """End the iteration in progress (waiting briefly for its last collective, which needs the peers:
-        a thread still waiting on a lost peer is left to its group's timeout) and free the groups."""
-        import torch.distributed as dist
+        """End the iterations this PlanAhead started, waiting briefly for each one's last collective (it
+        needs the peers: a thread still waiting on a lost peer is left to its group's timeout)."""
+        for ranks, shared in self._mine.items():
+            if _RUNNING.get(ranks) is shared:
+                del _RUNNING[ranks]
+            _end(shared, _CLOSE_WAIT_S)
+        self._mine.clear()
 
-        if self._end_current(_CLOSE_WAIT_S) and dist.is_available() and dist.is_initialized():
-            for handover in self._groups.values():
-                dist.destroy_process_group(handover)
-        self._groups.clear()
 
-    def _end_current(self, wait_s: float | None) -> bool:
-        """Stop the iteration in progress and wait for its thread (at most ``wait_s``); whether it ended."""
-        current, self._current = self._current, None
-        if current is None:
-            return True
-        current.close()
-        current._thread.join(wait_s)
-        return not current._thread.is_alive()
+def _end(shared, wait_s: float | None) -> None:
+    """Stop a SharedPlans iteration (None: nothing) and wait for its thread (at most ``wait_s``)."""
+    if shared is not None:
+        shared.close()
+        shared._thread.join(wait_s)
 
 
 class SharedPlans:
     """Iterator of ``PlanAhead.map(..., group=...)``'s plans, in order (see the module docstring), handed
-    over on the gloo group ``group`` (``HandOver``'s). ``close()`` stops it (every rank's iteration then
-    ends with a RuntimeError)."""
+    over on the gloo group ``group`` (``_handover_group``'s). ``close()`` stops it (every rank's iteration
+    then ends with a RuntimeError)."""
 
     def __init__(self, planner, mask_specs: Iterable, *, depth: int, timeout: float | None, group):
         import torch.distributed as dist

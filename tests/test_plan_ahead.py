@@ -180,6 +180,17 @@ def _shared_planning_world3(rank: int, world: int) -> None:
             list(pa.map(batch[:3], group=dist.group.WORLD))
     dist.barrier()
 
+    # another PlanAhead over the same ranks (it hung while each PlanAhead made its own hand-over group),
+    # closed while its shared iteration still runs (every rank leaves after the first plan)
+    with PlanAhead(3, **PLAN) as pb:
+        running = pb.map(batch, group=dist.group.WORLD)
+        assert next(running).fingerprint() == plans[0].fingerprint()
+    dist.barrier()
+    with PlanAhead(3, **PLAN) as pc:
+        assert [p.fingerprint() for p in pc.map(batch[:4], group=dist.group.WORLD)] == [
+            p.fingerprint() for p in plans[:4]]
+    dist.barrier()
+
 
 def test_map_shares_planning_over_a_group_and_fails_alike_on_every_rank():
     from spawn_gloo import spawn
