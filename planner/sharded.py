@@ -9,8 +9,8 @@ plans 64 batches in the time one rank plans one.
 
 The hand-over runs in a background thread per rank, on a gloo group of the same ranks made for it
 (``_handover_group``: CPU tensors whatever the training backend, and the training's own collectives
-never interleave with it), so the training step only takes finished plans from a queue. Lifecycle of batch k, in every
-rank's thread, in order:
+never interleave with it), so the training step only takes finished plans from a queue. Lifecycle of
+batch k, in every rank's thread, in order:
 
 1. post: read the batches ahead until ``depth`` of this rank's own are being planned.
 2. header: one all_gather of (has batch k, its mask signature's hash, the owner's status, the
