@@ -593,25 +593,28 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
         return placement  # no transfer exposed anywhere that matters
     S = placement.schedule.num_stages
     compute_bwd = flops / cost_model.fwd_rate * cost_model.bwd_flops_factor
+
+    def load_and_comm(stage, seconds, direction):
+        """[P, S] seconds per rank and stage, [P, S + 1] transfer time per rank and exchange."""
+        load = np.bincount(placement.tile_rank * S + stage, weights=seconds, minlength=world_size * S)
+        table = placement.schedule.table(direction).numpy().astype(np.int64)
+        return load.reshape(world_size, S), cost_model.stage_comm_time(
+            table, row_bytes(table, tiles.block_lengths(), **sizes), world_size, S)
+
     if beat is not None:
-        compute = np.bincount(placement.tile_rank * S + placement.tile_stage, weights=flops / cost_model.fwd_rate,
-                              minlength=world_size * S).reshape(world_size, S)
-        table = placement.schedule.table("fwd").numpy().astype(np.int64)
-        comm = cost_model.stage_comm_time(table, row_bytes(table, tiles.block_lengths(), **sizes), world_size, S)
         busiest_bwd = np.bincount(placement.tile_rank, weights=compute_bwd, minlength=world_size).max()
-        if float(cost_model.overlapped_time(compute, comm).max() + busiest_bwd) >= beat:
+        forward = cost_model.overlapped_time(*load_and_comm(placement.tile_stage, flops / cost_model.fwd_rate, "fwd"))
+        if float(forward.max() + busiest_bwd) >= beat:
             return placement
     # one cheap pass over the plan's own backward exchanges: nothing to defer, nothing to derive
     stage_bwd = placement.tile_stage_bwd
-    load = np.bincount(placement.tile_rank * S + stage_bwd, weights=compute_bwd, minlength=world_size * S)
-    table = placement.schedule.table("bwd").numpy().astype(np.int64)
-    comm = cost_model.stage_comm_time(table, row_bytes(table, tiles.block_lengths(), **sizes), world_size, S)
+    load, comm = load_and_comm(stage_bwd, compute_bwd, "bwd")
     # (with every variant Finisher.deferred may try: a node-local one draws from fewer groups, so the
     # groups before a large one can fit where the plain variants fit none; no plan of the 126
     # multi-node cases of seeds 0 and 1 changed by it)
     rpn = cost_model.topology.ranks_per_node
     if all(defer_backward_groups(stage_bwd, tiles.kv, placement.tile_rank, placement.block_home, compute_bwd,
-                                 load.reshape(world_size, S), comm, largest_first=largest_first, into_last=True,
+                                 load, comm, largest_first=largest_first, into_last=True,
                                  ranks_per_node=rpn if by_node else None) is stage_bwd
            for largest_first, by_node in defer_variant_sets(world_size, rpn, node_local)[-1]):
         return placement
