@@ -118,15 +118,13 @@ def _shared_rank(rank: int, ranks: int, port: int, tokens: int, world_size: int,
 
 def run_shared(tokens: int, world_size: int, steps: int, step_s: float, seed: int, ranks: int) -> dict:
     """``run_config`` with planning shared by ``ranks`` gloo ranks (one worker each)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from blockattn.demo import free_port
+
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_shared_rank, args=(ranks, port, tokens, world_size, steps, step_s, seed, queue), nprocs=ranks, join=True)
+    mp.spawn(_shared_rank, args=(ranks, free_port(), tokens, world_size, steps, step_s, seed, queue), nprocs=ranks,
+             join=True)
     per_rank = sorted((queue.get() for _ in range(ranks)), key=lambda r: r["rank"])
     steady = [w for r in per_rank for w in r["waits_ms"][1:]]
     return {"tokens": tokens, "world_size": world_size, "shared_by_ranks": ranks, "workers_per_rank": 1,

@@ -3,19 +3,14 @@ port), ``case(rank, world)`` on each; a case failing on any rank fails the test.
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from blockattn.demo import free_port
+
 GLOO_TIMEOUT_S = 120  # a bug that leaves a peer waiting fails the test instead of hanging CI
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, case) -> None:
@@ -30,4 +25,4 @@ def _entry(rank: int, world: int, port: int, case) -> None:
 
 def spawn(case, world: int) -> None:
     """``case(rank, world)`` (a module-level function) on ``world`` spawned gloo ranks."""
-    mp.spawn(_entry, args=(world, _free_port(), case), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, free_port(), case), nprocs=world, join=True)

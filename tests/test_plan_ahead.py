@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spawn_gloo import spawn
 
 from blockattn.masks import MaskSpec
 from blockattn.planner import PlanAhead, Topology, clear_plan_cache, make_plan
@@ -95,9 +96,6 @@ def test_a_dead_worker_is_reported_not_hung():
 
 
 # ----------------------------------------------------------------------------- planning shared by a group
-SHARED_SPECS = 7  # batches per rank list: with 3 ranks each plans 3, 2 and 2 of them
-
-
 def _shared_planning_world3(rank: int, world: int) -> None:
     """On every rank of a 3-rank gloo group: ``map(group=...)`` yields make_plan's plans in order while
     this rank plans only its batches (k % 3 == rank); disagreements and a failing batch raise the same
@@ -193,8 +191,6 @@ def _shared_planning_world3(rank: int, world: int) -> None:
 
 
 def test_map_shares_planning_over_a_group_and_fails_alike_on_every_rank():
-    from spawn_gloo import spawn
-
     spawn(_shared_planning_world3, 3)
 
 
