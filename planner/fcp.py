@@ -125,7 +125,7 @@ def kv_read_across(tiles: TileSet, kv_bytes: np.ndarray) -> np.ndarray:
 
 def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, head_dim: int,
              bin_ranks: np.ndarray | None = None, kv_bytes: np.ndarray | None = None,
-             contiguous_parts: bool = False, documents: bool = False) -> np.ndarray:
+             contiguous_parts: bool = False, documents: bool = False, cut_links: int = 1) -> np.ndarray:
     """Bin of every block (see module docstring, steps 1-3). Bins are ranks by default; with
     ``bin_ranks`` (ranks per bin, e.g. per node) bin i gets memory and compute in proportion, and
     with ``kv_bytes`` (each block's KV payload) a segment heavier than a bin's compute share is
@@ -133,7 +133,9 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     contiguous parts; ``contiguous_parts`` cuts segments longer than a bin's memory that way too
     (else into plain pieces, which pack more flexibly: better for causal_blockwise, worse for
     shared_question batches over the benchmark cases, so the dcp candidates use both). ``documents``:
-    segments cut after the blocks documents start in (``segments``)."""
+    segments cut after the blocks documents start in (``segments``). ``cut_links``: the inter-node links
+    a cut's KV is priced as spread over (1: one NIC; a node's NICs where relays and transit relays
+    spread it, planner/relay.py)."""
     nB = tiles.num_blocks
     weight = np.ones(world_size) if bin_ranks is None else np.asarray(bin_ranks, dtype=np.float64)
     P = weight.size
@@ -163,7 +165,7 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
         across = kv_read_across(tiles, kv_bytes)
         for seg in np.flatnonzero((group > k_mem) | ((group >= 2) & contiguous_parts)).tolist():
             group[seg], node_cuts[seg] = _node_group(prefix, across, bounds[seg], bounds[seg + 1], int(k_mem[seg]),
-                                                     int(group[seg]), mean, bin_w, cost_model)
+                                                     int(group[seg]), mean, bin_w, cost_model, cut_links)
     cost = prefix.tolist()
     heap = []
     for seg, (a, b, k) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), group.tolist())):
@@ -248,9 +250,9 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
 
 
 def _node_group(prefix: np.ndarray, across: np.ndarray, a: int, b: int, k_min: int, k_max: int, mean: float,
-                bin_w: float, cost_model: CostModel) -> tuple[int, list]:
+                bin_w: float, cost_model: CostModel, cut_links: int = 1) -> tuple[int, list]:
     """(k, cuts): the number of node bins for segment [a, b) and its k compute-balanced contiguous
-    parts. k minimizes the estimated time max(compute per rank, KV received over one node's NIC at
+    parts. k minimizes the estimated time max(compute per rank, KV received over ``cut_links`` NICs at
     the busiest cut); a segment a little heavier than a node stays on one node when splitting it
     would send more KV than the compute it saves."""
     best = None
@@ -259,7 +261,7 @@ def _node_group(prefix: np.ndarray, across: np.ndarray, a: int, b: int, k_min: i
         inner = np.clip(np.searchsorted(prefix, targets), a + 1, b - 1) if b - a > 1 else np.zeros(0, np.int64)
         cuts = [a] + sorted(set(inner.tolist())) + [b]
         compute = max(mean, (prefix[b] - prefix[a]) / (k * bin_w)) / cost_model.fwd_rate
-        transfer = float(across[cuts[1:-1]].max()) / cost_model.topology.inter_bw if len(cuts) > 2 else 0.0
+        transfer = float(across[cuts[1:-1]].max()) / (cut_links * cost_model.topology.inter_bw) if len(cuts) > 2 else 0.0
         t = max(compute, transfer)
         if best is None or t < best[0]:
             best = (t, len(cuts) - 1, cuts)

@@ -13,6 +13,7 @@ from blockattn.planner import CostModel, Topology, clear_plan_cache, make_plan
 from blockattn.planner.schedule import KIND_KV, payload_bytes
 
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)  # Llama-3-8B attention: compute-bound tiles
+SIZES = dict(HEADS, element_size=2, grad_element_size=4)  # dcp's payload sizes: bf16 inputs, fp32 partials
 # No latency: these batches are tiny, so a per-stage latency would dominate their microseconds.
 FAST = Topology(ranks_per_node=8, intra_lat=0.0, inter_lat=0.0)
 
@@ -645,15 +646,70 @@ def test_fcp_candidate_dropped_only_where_it_repeats_fcp_docs(monkeypatch, world
         by_tile_counts, by_documents = (fcp_home(tiles, world_size, documents=docs, **sizes) for docs in (False, True))
         same = np.array_equal(by_tile_counts, by_documents)
         assert same == repeats
-        kept = dcp_module._distinct_inits(tiles, ["fcp-docs", "fcp", "contiguous"])
+        kept = dcp_module._distinct_inits(tiles, ["fcp-docs", "fcp", "contiguous"], world_size, cost_model,
+                                          SIZES)
         assert kept == (["fcp-docs", "contiguous"] if repeats else ["fcp-docs", "fcp", "contiguous"])
 
     topology = Topology(ranks_per_node=8)
     clear_plan_cache()
     deduped = make_plan(blockwise, world_size, block_size=128, topology=topology, **HEADS)
-    monkeypatch.setattr(dcp_module, "_distinct_inits", lambda tiles, inits: inits)
+    monkeypatch.setattr(dcp_module, "_distinct_inits", lambda tiles, inits, *args: inits)
     clear_plan_cache()
     both = make_plan(blockwise, world_size, block_size=128, topology=topology, **HEADS)
+    assert deduped.fingerprint() == both.fingerprint()
+    clear_plan_cache()
+
+
+def test_wide_node_packing_splits_a_heavy_document_over_nodes_and_is_dropped_where_it_repeats(monkeypatch):
+    """"hierarchical-fcp-wide" prices the KV a node cut sends as spread over the node's NICs (relays and
+    transit relays spread it), where "hierarchical-fcp" prices it on one NIC: a lambda batch whose
+    11.7K-token document carries most of the compute keeps that document on one node under the narrow
+    pricing (node compute 74% / 26%) and splits it under the wide one (50% / 50%); dcp's plan is faster
+    with the candidate. Where both give the same homes (no document heavier than a node) the candidate
+    is dropped and the plan is the one planning both gives."""
+    import blockattn.planner.dcp as dcp_module
+    from blockattn.planner.tiles import TileSet
+
+    lens = [2431, 538, 1904, 569, 1514, 1427, 1652, 2731, 879, 2159, 955, 2187, 1168, 601, 172, 11694, 187]
+    total = sum(lens)
+    spec = MaskSpec.documents(lens) & MaskSpec.lambda_mask(total, 64, 4096)
+    topology = Topology(ranks_per_node=4)
+    cost_model = CostModel(topology=topology)
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    doc = np.arange(tiles.num_blocks)[(total - 187 - 11694) // 128 + 1:(total - 187) // 128]  # its whole blocks
+    node_share = {}
+    for init in ("hierarchical-fcp", "hierarchical-fcp-wide"):
+        home = dcp_module._initial_home(tiles, 8, init, cost_model, SIZES)
+        assert np.bincount(home, minlength=8).max() <= -(-tiles.num_blocks // 8)  # memory as balanced
+        work = np.bincount(home[tiles.q] // 4, weights=tiles.pairs, minlength=2)
+        node_share[init] = (work.max() / work.sum(), np.unique(home[doc] // 4).size)
+    assert node_share["hierarchical-fcp"][0] > 0.7 and node_share["hierarchical-fcp"][1] == 1
+    assert node_share["hierarchical-fcp-wide"][0] < 0.52 and node_share["hierarchical-fcp-wide"][1] == 2
+    assert "hierarchical-fcp-wide" in dcp_module._distinct_inits(tiles, list(dcp_module.MULTI_NODE_INITS), 8,
+                                                                 cost_model, SIZES)
+
+    def ratio(plan):
+        stats = plan.stats()
+        return (stats["sim_time_fwd"] + stats["sim_time_bwd"]) / (stats["lower_bound_fwd"] + stats["lower_bound_bwd"])
+
+    clear_plan_cache()
+    with_wide = make_plan(spec, 8, block_size=128, topology=topology, **HEADS)
+    narrow_only = tuple(name for name in dcp_module.MULTI_NODE_INITS if name != "hierarchical-fcp-wide")
+    monkeypatch.setattr(dcp_module, "MULTI_NODE_INITS", narrow_only)
+    clear_plan_cache()
+    without = make_plan(spec, 8, block_size=128, topology=topology, **HEADS)
+    assert ratio(with_wide) < 0.97 * ratio(without)  # 1.18 vs 1.24x the bound when written
+    monkeypatch.undo()
+
+    short = MaskSpec.documents([900, 1500, 700, 2100, 1300, 800, 1700, 1100] * 2)
+    short_tiles = TileSet.from_block_mask(short.block_mask(128))
+    kept = dcp_module._distinct_inits(short_tiles, list(dcp_module.MULTI_NODE_INITS), 8, cost_model, SIZES)
+    assert "hierarchical-fcp-wide" not in kept and "hierarchical-fcp" in kept
+    clear_plan_cache()
+    deduped = make_plan(short, 8, block_size=128, topology=topology, **HEADS)
+    monkeypatch.setattr(dcp_module, "_distinct_inits", lambda tiles, inits, *args: inits)
+    clear_plan_cache()
+    both = make_plan(short, 8, block_size=128, topology=topology, **HEADS)
     assert deduped.fingerprint() == both.fingerprint()
     clear_plan_cache()
 
