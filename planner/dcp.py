@@ -444,9 +444,9 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         head_dim: int, element_size: int, max_stages: int, init: str | None = None, grad_element_size: int = 4,
         **_) -> Placement:
     """DCP placement (see module docstring). ``init`` forces one initial data placement ("contiguous",
-    "hierarchical", "hierarchical-fcp", "zigzag", "fcp", "fcp-docs", "dealt", "dealt-nodes"); by default
-    the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in turn and the fastest (simulated
-    fwd + bwd time) is kept. The kept plan's backward then defers remote-KV groups into the stages its
+    "hierarchical", "hierarchical-fcp", "hierarchical-fcp-wide", "zigzag", "fcp", "fcp-docs", "dealt",
+    "dealt-nodes"); by default the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in
+    turn and the fastest (simulated fwd + bwd time) is kept. The kept plan's backward then defers remote-KV groups into the stages its
     transfers leave exposed, where faster (``with_deferred_backward``); on several nodes, a plan still
     slower than NIC_SHY_FROM x the bound is weighed against its homes balanced with the NICs priced
     slower (NIC_SHY_SCALES), and then against its homes with the blocks other nodes read dealt over their

@@ -261,7 +261,8 @@ def _node_group(prefix: np.ndarray, across: np.ndarray, a: int, b: int, k_min: i
         inner = np.clip(np.searchsorted(prefix, targets), a + 1, b - 1) if b - a > 1 else np.zeros(0, np.int64)
         cuts = [a] + sorted(set(inner.tolist())) + [b]
         compute = max(mean, (prefix[b] - prefix[a]) / (k * bin_w)) / cost_model.fwd_rate
-        transfer = float(across[cuts[1:-1]].max()) / (cut_links * cost_model.topology.inter_bw) if len(cuts) > 2 else 0.0
+        busiest_cut = float(across[cuts[1:-1]].max()) if len(cuts) > 2 else 0.0
+        transfer = busiest_cut / (cut_links * cost_model.topology.inter_bw)
         t = max(compute, transfer)
         if best is None or t < best[0]:
             best = (t, len(cuts) - 1, cuts)
