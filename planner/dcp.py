@@ -103,6 +103,7 @@ import numpy as np
 from .balance import balanced_ranks, pushed_rows
 from .cost_model import CostModel
 from .placement import Placement, balanced_bounds, prefix_sums, runs_to_home
+from .polish import polish_forward
 from .relay import add_relays, add_transit
 from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, payload_bytes, row_bytes
 from .stages import Finisher, assign_stages, defer_backward_groups, defer_variant_sets, finish_placement
@@ -239,6 +240,10 @@ SPREAD_PASS = True
 REPLAN_FROM = 1.25
 REPLAN_FROM_ONE_NODE = 1.05
 REPLAN_OVERLAP = 0.5
+# The kept plan's forward stages are polished by planner/polish.py (a local search on the slowest rank's
+# exposed exchanges); on one node only from this many times the bound, as below it the polish costs
+# about as long as planning a 128K batch on 8 ranks (1-26 ms) for gains under 0.1%.
+POLISH_FROM_ONE_NODE = 1.03
 # Where the spread pass wins, its homes go through the NIC-shy pass and the spread pass again, for up to
 # PASS_ROUNDS rounds (``_nic_passes``). Every pass only adds candidates (none slower). Fwd + bwd over the
 # bound, 63 multi-node cases per seed (the bench's draws; fp32 partials), one round -> three: seed 0
@@ -442,7 +447,7 @@ def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel,
 
 def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
         head_dim: int, element_size: int, max_stages: int, init: str | None = None, grad_element_size: int = 4,
-        **_) -> Placement:
+        polish: bool = True, **_) -> Placement:
     """DCP placement (see module docstring). ``init`` forces one initial data placement ("contiguous",
     "hierarchical", "hierarchical-fcp", "hierarchical-fcp-wide", "zigzag", "fcp", "fcp-docs", "dealt",
     "dealt-nodes"); by default the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in
@@ -453,7 +458,9 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     node's ranks (``_spread_homes``), in rounds (``_nic_passes``); then (one node too, from DEAL_PASS_FROM x
     the bound) against homes with each node's heavy document pieces dealt over its ranks (``_deal_pass``).
     A plan still slower than REPLAN_FROM x the bound (REPLAN_FROM_ONE_NODE on one node) is planned again
-    with every balancer weighing exposed transfers (REPLAN_OVERLAP), the faster plan kept."""
+    with every balancer weighing exposed transfers (REPLAN_OVERLAP), the faster plan kept. Last (``polish``),
+    the kept plan (on one node one over POLISH_FROM_ONE_NODE x the bound) has its forward stages polished
+    by a local search (planner/polish.py), where faster; the re-plan's too, the faster polished plan kept."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
     placement = _dcp_selected(tiles, world_size, cost_model, max_stages, sizes, init)
@@ -467,10 +474,16 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     if init is None and world_size > 1 and result.sim_time > DEAL_PASS_FROM * bound:
         result = _deal_pass(tiles, result, world_size, cost_model, max_stages, sizes)
     replan_from = REPLAN_FROM if multi_node else REPLAN_FROM_ONE_NODE
-    if init is None and world_size > 1 and result.sim_time > replan_from * bound and cost_model.balance_overlap == 0:
+    replan = (init is None and world_size > 1 and result.sim_time > replan_from * bound
+              and cost_model.balance_overlap == 0)
+    if polish and init is None and (multi_node or result.sim_time > POLISH_FROM_ONE_NODE * bound):
+        # last on the kept plan alone (every choice above compares plans as staged, so this only adds
+        # a step); the re-plan below is decided on the time before it, and its plan is polished too
+        result = polish_forward(tiles, result, world_size=world_size, cost_model=cost_model, sizes=sizes)
+    if replan:
         # planned again from the start with the balancer weighing exposed transfers (REPLAN_OVERLAP)
         again = dcp(tiles, world_size, cost_model=replace(cost_model, balance_overlap=REPLAN_OVERLAP),
-                    max_stages=max_stages, **sizes)
+                    max_stages=max_stages, polish=polish, **sizes)
         if again.sim_time < result.sim_time:
             result = again
     return result

@@ -60,3 +60,16 @@ def skip_deal_pass(monkeypatch):
         monkeypatch.setattr(dcp_module, "DEAL_PASS_FROM", float("inf"))
 
     return skip
+
+
+@pytest.fixture
+def skip_polish(monkeypatch):
+    """A function that, called, switches off dcp's forward polish (planner/polish.py, the last step on the
+    kept plan) for the rest of the test: for tests that measure what one earlier pass gains."""
+
+    def skip():
+        import blockattn.planner.dcp as dcp_module
+
+        monkeypatch.setattr(dcp_module, "polish_forward", lambda tiles, placement, **kwargs: placement)
+
+    return skip

@@ -475,12 +475,14 @@ def test_a_deferral_that_cannot_beat_the_kept_plan_is_skipped_with_the_same_outc
             assert np.array_equal(shortcut.tile_stage_bwd, deferred.tile_stage_bwd)
 
 
-def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide(monkeypatch, skip_deal_pass):
+def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide(monkeypatch, skip_deal_pass,
+                                                                                 skip_polish):
     """16 ranks, 8 per node, 42K tokens (two 4-16K-token documents among short ones: ~2.6K tokens per
     rank): the balancer's max(compute, transfers) estimate spreads the long documents across the
     nodes, and the staged execution cannot hide those transfers. Its homes balanced again with the
     NICs priced slower (``NIC_SHY_SCALES``) keep more compute on its node, half the inter-node bytes
     for a 4% larger imbalance: 1.337 -> 1.194x the bound. The plans are checked (make_plan's default)."""
+    skip_polish()  # (measured without the last step, the forward polish)
     import blockattn.planner.dcp as dcp_module
 
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)  # (the pass after it, from the kept homes too)
@@ -503,13 +505,14 @@ def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide
     assert shy[2] > plain[2]  # ... for compute left less balanced
 
 
-def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(monkeypatch, skip_deal_pass):
+def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(monkeypatch, skip_deal_pass, skip_polish):
     """8 ranks, 4 per node, 30K tokens of long-tail documents, lambda mask: after the NIC-shy pass the plan
     is still over NIC_SHY_FROM x the bound, its home ranks sending the KV other nodes read through their
     own NICs. Its homes with those blocks dealt over their node's ranks (``_spread_homes``) plan faster:
     1.148 -> 1.076x the bound, homes as dealt. The backward deferral without its node-local path (which
     alone brings this batch to 1.077x, so the spread pass would have nothing to do). The plans are
     checked (make_plan's default)."""
+    skip_polish()  # (measured without the last step, the forward polish)
     import blockattn.planner.dcp as dcp_module
     import blockattn.planner.stages as stages_module
     from blockattn.planner.tiles import TileSet
@@ -538,12 +541,13 @@ def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(mo
         assert np.array_equal(start // 4, kept.block_home.numpy() // 4)
 
 
-def test_nic_shy_and_spread_passes_take_rounds(monkeypatch, skip_replan, skip_deal_pass):
+def test_nic_shy_and_spread_passes_take_rounds(monkeypatch, skip_replan, skip_deal_pass, skip_polish):
     """8 ranks, 4 per node, 30K tokens of long-tail documents, lambda mask: where the spread pass wins,
     its homes go through the NIC-shy pass and the spread pass again (``PASS_ROUNDS``; each pass only
     adds candidates): 1.288 -> 1.202x the bound against one round (without the deal pass and the
     re-plan that follow the passes, which rescue the one-round plan). The plans are checked (make_plan's
     default)."""
+    skip_polish()  # (measured without the last step, the forward polish)
     import blockattn.planner.dcp as dcp_module
 
     skip_replan()
@@ -738,10 +742,12 @@ def test_overlap_estimate_sheds_compute_where_max_of_compute_and_transfers_sees_
     ([1795, 2899, 1002, 2408, 614], 8, Topology(ranks_per_node=4, inter_bw=5e9)),  # 4.14 -> 3.74x the bound
     ([3957, 1390, 2388, 4996, 5071, 3980, 127], 16, Topology(ranks_per_node=16)),  # one node: 1.215 -> 1.155x
 ])
-def test_dcp_replans_its_slowest_plans_with_the_overlap_estimate(monkeypatch, skip_replan, lens, world_size, topology):
+def test_dcp_replans_its_slowest_plans_with_the_overlap_estimate(monkeypatch, skip_replan, skip_polish, lens, world_size,
+                                                                 topology):
     """A dcp plan slower than REPLAN_FROM (several nodes) or REPLAN_FROM_ONE_NODE x the bound is planned
     again with every balancer using ``overlap`` = REPLAN_OVERLAP, and the faster plan is kept (in these
     two cases the re-planned one; make_plan checks both)."""
+    skip_polish()  # (measured without the last step, the forward polish)
     import blockattn.planner.balance as balance_module
     import blockattn.planner.dcp as dcp_module
 
@@ -768,11 +774,13 @@ def test_dcp_replans_its_slowest_plans_with_the_overlap_estimate(monkeypatch, sk
     clear_plan_cache()
 
 
-def test_dcp_deal_pass_keeps_homes_with_a_heavy_piece_dealt_over_its_node(monkeypatch, skip_replan, skip_deal_pass):
+def test_dcp_deal_pass_keeps_homes_with_a_heavy_piece_dealt_over_its_node(monkeypatch, skip_replan, skip_deal_pass,
+                                                                          skip_polish):
     """A multi-node plan still over DEAL_PASS_FROM x the bound after the NIC-shy and spread passes is weighed
     against homes with every heavy document piece dealt over its node's ranks (``_dealt_homes``), the
     faster plan kept: 8 ranks in two nodes of four, a 9110-token document among six shorter ones, 1.257 ->
     1.078x the bound, on one of the dealt homes (make_plan checks the plan)."""
+    skip_polish()  # (measured without the last step, the forward polish)
     import blockattn.planner.dcp as dcp_module
 
     spec = MaskSpec.documents([9110, 4563, 5977, 521, 1507, 935, 1588])
@@ -976,12 +984,13 @@ def test_a_donor_bound_by_its_nic_sheds_compute_to_a_node_mate_only_with_spread_
     assert b.C.tolist() == ([2, 1, 3, 4] if spread else [3, 0, 3, 4])
     assert b.send[0, 1] == 20 * Topology().inter_bw  # the NIC untouched either way
 
-def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferral, skip_deal_pass):
+def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferral, skip_deal_pass, skip_polish):
     """A 12K-token document in 24K tokens on three nodes of two ranks: the first plan is ~1.9x the
     bound, so dcp plans again with spread sends (from SECOND_OPINION_INITS and from the first plan's
     homes), gives the finalists within RECHECK of the fastest their transit relays, and keeps the
     fastest plan, here a second-opinion one, consistent. (Without the final backward deferral and the
     NIC-shy, spread and deal passes after it, which would change the plan compared.)"""
+    skip_polish()  # (measured without the last step, the forward polish)
     from blockattn.planner import check_plan, clear_plan_cache
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.tiles import TileSet
@@ -1090,11 +1099,12 @@ def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch, sk
     assert all(any(np.array_equal(start, home) for home in distinct) for start in starts)
 
 
-def test_one_large_node_is_restaged_where_faster(monkeypatch, skip_backward_deferral):
+def test_one_large_node_is_restaged_where_faster(monkeypatch, skip_backward_deferral, skip_polish):
     """12 ranks on one NVLink node, a 6K-token document among short ones, bf16 partials: from "fcp" the
     balanced plan is 1.76x the bound; restaged as dcp restages multi-node finalists it is ~9% faster,
     and dcp keeps that (the plan stays consistent). By default "fcp-docs", planned first, is faster
     still (1.46x) and kept. (Without the final backward deferral, which would change the plan compared.)"""
+    skip_polish()  # (measured without the last step, the forward polish)
     from blockattn.planner import check_plan
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.tiles import TileSet
@@ -1294,11 +1304,12 @@ def test_document_segments_keep_a_short_document_on_one_node():
     assert nodes_per_document(True) == [1, 4, 3]
 
 
-def test_one_node_keeps_the_candidate_moving_the_fewest_bytes_among_near_equals(monkeypatch):
+def test_one_node_keeps_the_candidate_moving_the_fewest_bytes_among_near_equals(monkeypatch, skip_polish):
     """6 ranks on one node, a long-tail batch: from "fcp" the plan is ~1.015x the bound, from
     "contiguous" ~1.020x with ~25% fewer bytes. Of the candidates within GOOD_ENOUGH of the bound and
     within BYTES_SLACK of the fastest dcp keeps the one moving the fewest bytes (here at least 15% fewer
     than the fastest); with no slack, the fastest."""
+    skip_polish()  # (measured without the last step, the forward polish)
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.schedule import row_bytes
     from blockattn.planner.tiles import TileSet

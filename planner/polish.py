@@ -1,0 +1,338 @@
+"""Forward polish: a local search over a finished plan's forward stages, everything else kept.
+
+Notation (docs/design.md): P ranks, S stages, exchange j carries the inputs (Q, KV) of stage j + 1 and
+the partials (OUT) of stage j - 1 (planner/cost_model.py). A *group* is one remote input of a rank,
+(rank, q-block) or (rank, kv-block): one input row in exchange ``first - 1`` and, for a q-block, one
+OUT row in exchange ``last + 1``, where first / last are the stages of the group's first and last
+tiles (planner/schedule.py).
+
+Why: ``assign_stages`` orders each rank's inputs by its own receive time, so it cannot see what other
+ranks ask of it (a home's KV sends) or the partials it sends back, and the refinements after it
+keep or drop whole stagings. On the held-out 32 / 8 batches the forward simulated 1.13-1.67x the
+bound where no rank's compute or link bytes exceeded 1.02-1.27x.
+
+Search: the slowest rank's exposed exchanges (transfers longer than the compute beside them) name
+the candidate moves: a *unit* (a group's tiles in its first stage, or a q-group's in its last) moved
+one stage earlier or later (remote tiles stay >= 1: stage 0 reads home blocks only). Every candidate
+is applied, scored and undone incrementally (byte loads per rank, exchange and link; compute per
+rank and stage), and the one that lowers (slowest rank, sum of the POLISH_TOP slowest) most is
+kept; POLISH_ROUNDS at most. A move that breaks a relay drags the units it breaks along (a proxy
+must hold its block a stage before its relay receivers need it; a transit source receives it one
+stage before its first receiver) or is not made. The backward, the homes, the tile ranks and the
+relay table stay exactly as they were, so only the forward time can change: the caller keeps the
+result where it simulates faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from .cost_model import CostModel
+from .placement import Placement, compact_stages, run_heads
+from .schedule import KIND_KV, KIND_OUT, KIND_Q, as_relay_table, derive_schedule, payload_bytes, row_bytes
+from .stages import own_row_movable, spread_local_tiles, spread_own_rows
+
+POLISH_ROUNDS = 120
+POLISH_EXCHANGES = 2  # the slowest rank's most exposed exchanges looked at per round
+POLISH_WIDTH = 4  # candidate units per exchange and kind (rows by bytes, own units by compute)
+POLISH_TOP = 4  # tie-break: the sum of this many slowest ranks' forward times
+
+
+class ForwardPolish:
+    """The search state of one placement (see module docstring)."""
+
+    def __init__(self, tiles, placement: Placement, *, world_size: int, cost_model: CostModel, sizes: dict):
+        self.cost_model = cost_model
+        self.P, self.S = world_size, placement.schedule.num_stages
+        P, S, nB = self.P, self.S, tiles.num_blocks
+        home = self.home = np.asarray(placement.block_home, dtype=np.int64)
+        rank = self.rank = np.asarray(placement.tile_rank, dtype=np.int64)
+        self.stage = np.asarray(placement.tile_stage, dtype=np.int64).copy()
+        q, kv = tiles.q, tiles.kv
+        self.seconds = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"],
+                                             head_dim=sizes["head_dim"]) / cost_model.fwd_rate
+        # groups: the q-groups first (ids 0..Gq-1), then the kv-groups; members listed group by group
+        members, counts, g_rank, g_block, of_tile, base = [], [], [], [], [], 0
+        for block in (q, kv):
+            idx = np.flatnonzero(home[block] != rank)
+            key = rank[idx] * nB + block[idx]
+            order = np.argsort(key, kind="stable")
+            idx, key = idx[order], key[order]
+            head = run_heads(key)
+            tile_group = np.full(q.size, -1, dtype=np.int64)
+            tile_group[idx] = base + np.cumsum(head) - 1
+            base += int(head.sum())
+            of_tile.append(tile_group)
+            members.append(idx)
+            counts.append(np.diff(np.append(np.flatnonzero(head), idx.size)))
+            g_rank.append(key[head] // nB)
+            g_block.append(key[head] % nB)
+        self.members = np.concatenate(members)
+        self.starts = np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.int64)
+        self.g_rank, self.g_block = np.concatenate(g_rank), np.concatenate(g_block)
+        self.num_q_groups = g_rank[0].size
+        self.q_group, self.kv_group = of_tile
+        G = self.g_rank.size
+        self.hist = np.zeros((G, S), dtype=np.int64)
+        for groups in (self.q_group, self.kv_group):
+            t = np.flatnonzero(groups >= 0)
+            np.add.at(self.hist, (groups[t], self.stage[t]), 1)
+        self.first, self.last = self._ends(np.arange(G))
+
+        # relays: each kv-group's source, its proxy group (or -1) or transit source (or -1)
+        relay = as_relay_table(placement.kv_relay)
+        Gq = self.num_q_groups
+        kv_ids = np.arange(Gq, G)
+        group_key = self.g_rank[kv_ids] * nB + self.g_block[kv_ids]
+        src = home[self.g_block].copy()
+        self.proxy_of = np.full(G, -1, dtype=np.int64)
+        self.transit_of = np.full(G, -1, dtype=np.int64)
+        block, dst, source = relay.T
+        receiver = kv_ids[np.searchsorted(group_key, dst * nB + block)]
+        src[receiver] = source
+        source_key = source * nB + block
+        pos = np.minimum(np.searchsorted(group_key, source_key), max(group_key.size - 1, 0))
+        proxy = group_key[pos] == source_key if group_key.size else np.zeros(block.size, dtype=bool)
+        self.proxy_of[receiver[proxy]] = kv_ids[pos[proxy]]
+        self.children = {}  # proxy group -> its relay receivers' groups
+        for p, d in zip(kv_ids[pos[proxy]].tolist(), receiver[proxy].tolist()):
+            self.children.setdefault(p, []).append(d)
+        transit_key, self.transit_of[receiver[~proxy]] = np.unique(source_key[~proxy], return_inverse=True)
+        by_transit = np.argsort(self.transit_of[receiver[~proxy]], kind="stable")
+        self.transit_dsts = np.split(receiver[~proxy][by_transit],
+                                     np.cumsum(np.bincount(self.transit_of[receiver[~proxy]],
+                                                           minlength=transit_key.size))[:-1])
+
+        # rows: a group's input row (id g), a q-group's OUT row (id G + g), a transit row (id G + Gq + k)
+        block_len = tiles.block_lengths()
+        t_block = transit_key % nB
+        kinds = np.concatenate([np.where(np.arange(G) < Gq, KIND_Q, KIND_KV), np.full(Gq, KIND_OUT),
+                                np.full(transit_key.size, KIND_KV)])
+        self.row_src = np.concatenate([src, self.g_rank[:Gq], home[t_block]])
+        self.row_dst = np.concatenate([self.g_rank, home[self.g_block[:Gq]], transit_key // nB])
+        row_block = np.concatenate([self.g_block, self.g_block[:Gq], t_block])
+        self.row_bytes = payload_bytes(kinds, block_len[row_block], **sizes).astype(np.int64)
+        node_of = cost_model.topology.node_of
+        self.row_link = (node_of(self.row_src) != node_of(self.row_dst)).astype(np.int64)
+        self.row_ex = np.concatenate([self.first - 1, self.last[:Gq] + 1,
+                                      [self._transit_exchange(k) for k in range(transit_key.size)]]).astype(np.int64)
+        self.load = np.zeros((2, 2, P, S + 1), dtype=np.int64)  # [link, send / receive, rank, exchange]
+        self.rows_at = np.zeros((2, P, S + 1), dtype=np.int64)  # rows touching (rank, exchange) per link
+        self._add_rows(np.arange(self.row_ex.size), 1)
+        self.compute = np.bincount(rank * S + self.stage, weights=self.seconds, minlength=P * S).reshape(P, S)
+        self.time = self._times(np.arange(P))
+
+    # state updates --------------------------------------------------------------------------------------
+
+    def _ends(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        used = self.hist[groups] > 0
+        return used.argmax(axis=1), self.S - 1 - used[:, ::-1].argmax(axis=1)
+
+    def _transit_exchange(self, k: int) -> int:
+        """The exchange a transit source receives its block in: one stage before its first receiver's."""
+        return int(self.first[self.transit_dsts[k]].min()) - 2
+
+    def _add_rows(self, rows: np.ndarray, sign: int) -> None:
+        link, ex, b = self.row_link[rows], self.row_ex[rows], self.row_bytes[rows] * sign
+        ends = np.concatenate([self.row_src[rows], self.row_dst[rows]])
+        link2, ex2 = np.concatenate([link, link]), np.concatenate([ex, ex])
+        side = np.repeat(np.arange(2), rows.size)
+        np.add.at(self.load, (link2, side, ends, ex2), np.concatenate([b, b]))
+        np.add.at(self.rows_at, (link2, ends, ex2), sign)
+
+    def _comm(self, ranks) -> np.ndarray:
+        """Transfer time of ``ranks`` (an int or an array) in every exchange (planner/cost_model.py
+        ``stage_comm_time``), from the current loads."""
+        topo = self.cost_model.topology
+        busiest = self.load[:, :, ranks].max(axis=1)  # [link, (ranks,) exchange]
+        rows = self.rows_at[:, ranks] > 0
+        return (np.maximum(busiest[0] / topo.intra_bw, busiest[1] / topo.inter_bw)
+                + np.where(rows[1], topo.inter_lat, np.where(rows[0], topo.intra_lat, 0.0)))
+
+    def _times(self, ranks: np.ndarray) -> np.ndarray:
+        """Forward overlapped time of ``ranks`` from the current loads and compute."""
+        return self.cost_model.overlapped_time(self.compute[ranks], self._comm(ranks))
+
+    def _shift(self, tiles: np.ndarray, to) -> np.ndarray:
+        """Move ``tiles`` (of one rank) to stage(s) ``to``; every derived quantity follows. Returns the
+        groups whose first stage changed."""
+        old = self.stage[tiles]
+        self.stage[tiles] = to
+        new = self.stage[tiles]
+        r = int(self.rank[tiles[0]])
+        seconds = self.seconds[tiles]
+        np.add.at(self.compute[r], np.concatenate([old, new]), np.concatenate([-seconds, seconds]))
+        g = np.concatenate([self.q_group[tiles], self.kv_group[tiles]])
+        keep = g >= 0
+        g, o, n = g[keep], np.concatenate([old, old])[keep], np.concatenate([new, new])[keep]
+        np.add.at(self.hist, (np.concatenate([g, g]), np.concatenate([o, n])),
+                  np.repeat(np.array([-1, 1]), g.size))
+        groups = np.unique(g)
+        first, last = self._ends(groups)
+        Gq, G = self.num_q_groups, self.g_rank.size
+        moved_first = first != self.first[groups]
+        is_q = groups < Gq
+        moved_last = is_q & (last != self.last[groups])
+        self.first[groups] = first
+        self.last[groups[is_q]] = last[is_q]
+        rows = [groups[moved_first], G + groups[moved_last]]
+        ex = [first[moved_first] - 1, last[moved_last] + 1]
+        transit = self.transit_of[groups[moved_first]]
+        transit = np.unique(transit[transit >= 0])
+        if transit.size:
+            rows.append(G + Gq + transit)
+            ex.append(np.array([self._transit_exchange(k) for k in transit.tolist()], dtype=np.int64))
+        rows = np.concatenate(rows)
+        ranks = np.array([r])
+        if rows.size:
+            self._add_rows(rows, -1)
+            self.row_ex[rows] = np.concatenate(ex)
+            self._add_rows(rows, 1)
+            ranks = np.unique(np.concatenate([ranks, self.row_src[rows], self.row_dst[rows]]))
+        self.time[ranks] = self._times(ranks)
+        return groups[moved_first]
+
+    def _unit(self, g: int, last: bool = False) -> np.ndarray:
+        tiles = self.members[self.starts[g]:self.starts[g + 1]]
+        return tiles[self.stage[tiles] == (self.last[g] if last else self.first[g])]
+
+    def apply(self, tiles: np.ndarray, to: int, undo: list, depth: int = 0) -> bool:
+        """Move ``tiles`` to stage ``to`` (recorded in ``undo``) with the relay cascades it needs; False
+        where a relay cannot be kept (the caller undoes)."""
+        undo.append((tiles, self.stage[tiles].copy()))
+        for g in self._shift(tiles, to).tolist():
+            if self.transit_of[g] >= 0 and self.first[g] < 2:
+                return False  # the transit source would receive before exchange 0
+            p = self.proxy_of[g]
+            if p >= 0 and self.first[p] >= self.first[g]:
+                if depth >= 2 or self.first[g] - 1 < 1:
+                    return False
+                if not self.apply(self._unit(p), self.first[g] - 1, undo, depth + 1):
+                    return False
+            for d in self.children.get(g, ()):
+                if self.first[d] <= self.first[g]:
+                    late = self.members[self.starts[d]:self.starts[d + 1]]
+                    late = late[self.stage[late] <= self.first[g]]
+                    if depth >= 2 or self.first[g] + 1 > self.S - 1:
+                        return False
+                    if not self.apply(late, self.first[g] + 1, undo, depth + 1):
+                        return False
+        return True
+
+    def undo(self, undo: list) -> None:
+        for tiles, stage in reversed(undo):
+            self._shift(tiles, stage)
+
+    def _score(self) -> tuple[float, float]:
+        top = np.partition(self.time, self.P - min(POLISH_TOP, self.P))[-POLISH_TOP:]
+        return float(self.time.max()), float(top.sum())
+
+    # search ---------------------------------------------------------------------------------------------
+
+    def _candidates(self, r: int) -> list:
+        """(group, last-unit?, direction) moves around rank r's most exposed exchanges: the units whose
+        rows make up r's busiest link and direction there (the POLISH_WIDTH largest), and r's own units
+        whose compute could move beside that exchange (the POLISH_WIDTH largest)."""
+        topo = self.cost_model.topology
+        S = self.S
+        busiest = self.load[:, :, r]  # [link, send / receive, exchange]
+        seconds = busiest / np.array([topo.intra_bw, topo.inter_bw])[:, None, None]
+        comm = self._comm(r)
+        exposed = np.append(comm[:S] - self.compute[r], comm[S])
+        out = []
+        Gq, G = self.num_q_groups, self.g_rank.size
+        for j in np.argsort(-exposed)[:POLISH_EXCHANGES].tolist():
+            if exposed[j] <= 0:
+                break
+            link, side = np.unravel_index(int(seconds[:, :, j].argmax()), (2, 2))
+            at = self.row_src if side == 0 else self.row_dst
+            rows = np.flatnonzero((at == r) & (self.row_ex == j) & (self.row_link == link))
+            rows = rows[np.argsort(-self.row_bytes[rows], kind="stable")[:POLISH_WIDTH]]
+            for row in rows.tolist():
+                if row < G:
+                    out += [(row, False, d) for d in (-1, 1)]
+                elif row < G + Gq:
+                    out += [(row - G, True, d) for d in (-1, 1)]
+                else:
+                    out += [(g, False, d) for g in self.transit_dsts[row - G - Gq][:2].tolist() for d in (-1, 1)]
+            if j < S:
+                # r's compute beside exchange j: units starting in stage j + 1 (earlier) or j - 1 (later)
+                for f, d in ((j + 1, -1), (j - 1, 1)):
+                    own = np.flatnonzero((self.g_rank == r) & (self.first == f))
+                    if own.size:
+                        weight = np.array([self.seconds[self._unit(g)].sum() for g in own.tolist()])
+                        heaviest = own[np.argsort(-weight, kind="stable")[:POLISH_WIDTH]]
+                        out += [(g, False, d) for g in heaviest.tolist()]
+        return list(dict.fromkeys(out))
+
+    def run(self, rounds: int | None = None) -> bool:
+        """Greedy rounds (module docstring), POLISH_ROUNDS by default; True where the stages changed."""
+        rounds = POLISH_ROUNDS if rounds is None else rounds
+        best = self._score()
+        changed = False
+        for _ in range(rounds):
+            r = int(self.time.argmax())
+            found = None
+            for g, last, direction in self._candidates(r):
+                unit = self._unit(g, last)
+                to = int(self.stage[unit[0]]) + direction
+                if not 1 <= to <= self.S - 1:
+                    continue
+                undo = []
+                ok = self.apply(unit, to, undo)
+                score = self._score() if ok else None
+                self.undo(undo)
+                # (lexicographic: the slowest rank first, then the POLISH_TOP slowest together)
+                if ok and score < (best if found is None else found[0]):
+                    found = (score, g, last, to)
+            if found is None:
+                break
+            best, g, last, to = found
+            undo = []
+            if not self.apply(self._unit(g, last), to, undo):
+                raise AssertionError("a scored move could not be made again")
+            changed = True
+        return changed
+
+
+def polish_forward(tiles, placement: Placement, *, world_size: int, cost_model: CostModel, sizes: dict) -> Placement:
+    """``placement`` with its forward stages polished (module docstring) where that simulates faster; then
+    also with its local tiles and own rows spread into the gaps the new stages leave (planner/stages.py
+    ``spread_own_rows``, ``spread_local_tiles``: no transfer changes), kept where faster still.
+    ``placement`` must be scored (``sim_time``, ``schedule``, ``tile_stage_bwd`` set)."""
+    if world_size == 1 or placement.schedule is None or placement.schedule.num_stages < 3:
+        return placement  # (remote tiles all in stage 1: nothing to move)
+    search = ForwardPolish(tiles, placement, world_size=world_size, cost_model=cost_model, sizes=sizes)
+    if not search.run():
+        return placement
+    S, home, rank, stage = search.S, search.home, search.rank, search.stage
+    stage_bwd = np.asarray(placement.tile_stage_bwd, dtype=np.int64)
+    sched = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks, num_stages=S,
+                            world_size=world_size, kv_relay=placement.kv_relay, tile_stage_bwd=stage_bwd)
+    block_len = tiles.block_lengths()
+    comm = {}
+    for direction in ("fwd", "bwd"):
+        table = sched.table(direction).numpy().astype(np.int64)
+        comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), world_size, S)
+    seconds = search.seconds
+    local = (home[tiles.q] == rank) & (home[tiles.kv] == rank)
+    movable = lambda: own_row_movable(tiles.q, tiles.kv, stage, rank, home)  # noqa: E731
+    spread = spread_own_rows(stage, seconds, rank, movable, comm["fwd"], world_size=world_size, num_stages=S)
+    spread = spread_local_tiles(spread, seconds * cost_model.fwd_rate, rank, local, comm["fwd"],
+                                world_size=world_size, num_stages=S, fwd_rate=cost_model.fwd_rate)
+
+    def per_stage(st):
+        return np.bincount(rank * S + st, weights=seconds, minlength=world_size * S).reshape(world_size, S)
+
+    backward = cost_model.overlapped_time(per_stage(stage_bwd) * cost_model.bwd_flops_factor, comm["bwd"]).max()
+    best = placement
+    for staged in (stage, spread):
+        # (a stage left empty would be renumbered away from the backward's by make_plan's compaction)
+        if compact_stages(staged)[1] != S:
+            continue
+        sim_time = float(cost_model.overlapped_time(per_stage(staged), comm["fwd"]).max() + backward)
+        if sim_time < best.sim_time:
+            best = replace(placement, tile_stage=staged.copy(), schedule=sched, sim_time=sim_time)
+    return best
