@@ -12,19 +12,12 @@ from blockattn.masks import MaskSpec
 from blockattn.planner import CostModel, Topology, clear_plan_cache, make_plan
 from blockattn.planner.schedule import KIND_KV, payload_bytes
 
+from batches import long_tail_docs
+
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)  # Llama-3-8B attention: compute-bound tiles
 SIZES = dict(HEADS, element_size=2, grad_element_size=4)  # dcp's payload sizes: bf16 inputs, fp32 partials
 # No latency: these batches are tiny, so a per-stage latency would dominate their microseconds.
 FAST = Topology(ranks_per_node=8, intra_lat=0.0, inter_lat=0.0)
-
-
-def _long_tail_docs(seed: int, total: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    lens = []
-    while sum(lens) < total:
-        lens.append(int(np.exp(rng.uniform(np.log(64), np.log(total / 2)))))
-    lens[-1] -= sum(lens) - total
-    return [n for n in lens if n > 0]
 
 
 def _over_bound(stats: dict) -> float:
@@ -45,7 +38,7 @@ def _inter_node_bytes(plan) -> int:
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 10_000), world_size=st.sampled_from([3, 4, 5, 7]))
 def test_dcp_balances_compute_and_memory_on_long_tail_documents(seed, world_size):
-    spec = MaskSpec.documents(_long_tail_docs(seed, 64_000))
+    spec = MaskSpec.documents(long_tail_docs(seed, 64_000))
     plan = make_plan(spec, world_size, block_size=128, topology=FAST, **HEADS)
     s = plan.stats()
     assert s["compute_imbalance"] <= 1.05, plan.explain()
@@ -56,7 +49,7 @@ def test_dcp_balances_compute_and_memory_on_long_tail_documents(seed, world_size
 
 @pytest.mark.parametrize("mask", ["causal_docs", "lambda_docs", "shared_question", "causal_blockwise"])
 def test_dcp_beats_zigzag_and_ring_in_simulated_time(mask):
-    docs = _long_tail_docs(7, 24_000)
+    docs = long_tail_docs(7, 24_000)
     T = sum(docs)
     spec = {
         "causal_docs": MaskSpec.documents(docs),
@@ -147,7 +140,7 @@ def test_explain_mentions_balance_bytes_and_stages():
 
 
 def test_stats_count_the_bytes_between_nodes():
-    plan = make_plan(MaskSpec.documents(_long_tail_docs(3, 24_000)), 6, block_size=128,
+    plan = make_plan(MaskSpec.documents(long_tail_docs(3, 24_000)), 6, block_size=128,
                      topology=Topology(ranks_per_node=2), **HEADS)
     s = plan.stats()
     assert 0 < s["bytes_inter_node_fwd"] < s["bytes_fwd"] and 0 < s["bytes_inter_node_bwd"] < s["bytes_bwd"]
@@ -222,7 +215,7 @@ def test_dcp_relays_a_shared_question_once_per_node():
 def test_dcp_never_slower_than_the_zigzag_baselines(world_size, ranks_per_node):
     # small batches with the default per-stage latency (fewer stages can win) and several nodes
     # (planned on merged blocks, candidates preselected): dcp falls back to a baseline when it is faster
-    docs = _long_tail_docs(3, 8192)
+    docs = long_tail_docs(3, 8192)
     topo = Topology(ranks_per_node=ranks_per_node)
     small = dict(num_q_heads=8, num_kv_heads=2, head_dim=64)  # little compute per tile: latency matters
     times = {}
@@ -291,7 +284,7 @@ def test_front_loaded_stages_receive_earlier_and_stay_valid():
     from blockattn.planner.stages import assign_stages
     from blockattn.planner.tiles import TileSet
 
-    spec = MaskSpec.documents(_long_tail_docs(11, 24_000))
+    spec = MaskSpec.documents(long_tail_docs(11, 24_000))
     topo = Topology(ranks_per_node=2)
     cost_model = CostModel(topology=topo)
     plan = make_plan(spec, 6, block_size=128, topology=topo, **HEADS)
@@ -416,7 +409,7 @@ def test_node_local_deferral_path_keeps_cross_node_partials_early(monkeypatch, s
     import blockattn.planner.dcp as dcp_module
     import blockattn.planner.stages as stages_module
 
-    spec = MaskSpec.documents(_long_tail_docs(1, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
+    spec = MaskSpec.documents(long_tail_docs(1, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
     skip_deal_pass()  # (it would rescue the plain deferral's plan)
 
@@ -520,7 +513,7 @@ def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(mo
     monkeypatch.setattr(stages_module, "DEFER_VARIANT_SETS", stages_module.DEFER_VARIANT_SETS[:1])
     skip_deal_pass()  # (the pass after it, which would rescue the plan without it)
 
-    spec = MaskSpec.documents(_long_tail_docs(1, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
+    spec = MaskSpec.documents(long_tail_docs(1, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
     topo = Topology(ranks_per_node=4)
 
     def plan():
@@ -552,7 +545,7 @@ def test_nic_shy_and_spread_passes_take_rounds(monkeypatch, skip_replan, skip_de
 
     skip_replan()
     skip_deal_pass()
-    spec = MaskSpec.documents(_long_tail_docs(16, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
+    spec = MaskSpec.documents(long_tail_docs(16, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
 
     def over_bound():
         clear_plan_cache()
@@ -575,7 +568,7 @@ def test_dcp_last_passes_only_add_candidates(monkeypatch, skip_deal_pass, total,
     1.252, 1.295; 1.120, 1.131, 1.179, 1.245, 1.245x the bound, with the re-plan after them)."""
     import blockattn.planner.dcp as dcp_module
 
-    docs = MaskSpec.documents(_long_tail_docs(seed, total))
+    docs = MaskSpec.documents(long_tail_docs(seed, total))
     spec = docs if mask == "causal" else docs & MaskSpec.lambda_mask(total, 64, 4096)
 
     def sim_time():
@@ -1224,7 +1217,7 @@ def test_several_budget_scales_give_each_rank_one_of_their_stagings():
     from blockattn.planner.stages import assign_stages
     from blockattn.planner.tiles import TileSet
 
-    spec = MaskSpec.documents(_long_tail_docs(5, 24_000))
+    spec = MaskSpec.documents(long_tail_docs(5, 24_000))
     topo = Topology(ranks_per_node=2)
     cost_model = CostModel(topology=topo)
     tiles = TileSet.from_block_mask(spec.block_mask(128))
@@ -1314,7 +1307,7 @@ def test_one_node_keeps_the_candidate_moving_the_fewest_bytes_among_near_equals(
     from blockattn.planner.schedule import row_bytes
     from blockattn.planner.tiles import TileSet
 
-    spec = MaskSpec.documents(_long_tail_docs(9, 48_000))
+    spec = MaskSpec.documents(long_tail_docs(9, 48_000))
     tiles = TileSet.from_block_mask(spec.block_mask(128))
     cm = CostModel()
     sizes = dict(element_size=2, grad_element_size=4, **HEADS)
@@ -1360,7 +1353,7 @@ def test_moved_bytes_are_the_schedules_bytes_without_relays(seed, world_size, st
     from blockattn.planner.dcp import moved_bytes
     from blockattn.planner.tiles import TileSet
 
-    spec = MaskSpec.documents(_long_tail_docs(seed, 6_000 + seed % 997))
+    spec = MaskSpec.documents(long_tail_docs(seed, 6_000 + seed % 997))
     plan = make_plan(spec, world_size, block_size=64, strategy=strategy, topology=Topology(ranks_per_node=8),
                      grad_comm_dtype=torch.bfloat16 if grad == 2 else torch.float32, **HEADS)
     tiles = TileSet.from_block_mask(spec.block_mask(64))

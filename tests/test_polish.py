@@ -14,17 +14,10 @@ from blockattn.planner.placement import Placement
 from blockattn.planner.polish import ForwardPolish, polish_forward
 from blockattn.planner.tiles import TileSet
 
+from batches import long_tail_docs
+
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 SIZES = dict(HEADS, element_size=2, grad_element_size=4)  # make_plan's defaults: bf16 inputs, fp32 partials
-
-
-def _long_tail_docs(seed: int, total: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    lens = []
-    while sum(lens) < total:
-        lens.append(int(np.exp(rng.uniform(np.log(64), np.log(total / 2)))))
-    lens[-1] -= sum(lens) - total
-    return [n for n in lens if n > 0]
 
 
 def _unpolished(monkeypatch, spec, world_size: int, topology: Topology, block: int):
@@ -56,7 +49,7 @@ def _forward_times(plan) -> np.ndarray:
     return cm.overlapped_time(compute, cm.stage_comm_time(table, plan.transfer_bytes("fwd"), P, S))
 
 
-CASE = dict(lens=_long_tail_docs(3, 16384), world_size=8, topology=Topology(ranks_per_node=4), block=64)
+CASE = dict(lens=long_tail_docs(3, 16384), world_size=8, topology=Topology(ranks_per_node=4), block=64)
 
 
 def test_polish_changes_only_the_forward_stages_and_only_where_faster(monkeypatch):

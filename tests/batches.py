@@ -1,0 +1,16 @@
+"""Packed batches the planner tests share (a helper module, like spawn_gloo.py: no tests here)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def long_tail_docs(seed: int, total: int) -> list[int]:
+    """Document lengths summing to ``total``, log-uniform from 64 tokens to half the batch (a few long
+    documents among short ones, as in long-context training mixes)."""
+    rng = np.random.default_rng(seed)
+    lens = []
+    while sum(lens) < total:
+        lens.append(int(np.exp(rng.uniform(np.log(64), np.log(total / 2)))))
+    lens[-1] -= sum(lens) - total
+    return [n for n in lens if n > 0]
