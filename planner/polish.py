@@ -46,22 +46,30 @@ class ForwardPolish:
     def __init__(self, tiles, placement: Placement, *, world_size: int, cost_model: CostModel, sizes: dict):
         self.cost_model = cost_model
         self.P, self.S = world_size, placement.schedule.num_stages
-        P, S, nB = self.P, self.S, tiles.num_blocks
-        home = self.home = np.asarray(placement.block_home, dtype=np.int64)
-        rank = self.rank = np.asarray(placement.tile_rank, dtype=np.int64)
+        self.home = np.asarray(placement.block_home, dtype=np.int64)
+        self.rank = np.asarray(placement.tile_rank, dtype=np.int64)
         self.stage = np.asarray(placement.tile_stage, dtype=np.int64).copy()
-        q, kv = tiles.q, tiles.kv
         self.seconds = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"],
                                              head_dim=sizes["head_dim"]) / cost_model.fwd_rate
-        # groups: the q-groups first (ids 0..Gq-1), then the kv-groups; members listed group by group
+        self._groups(tiles)
+        src, transit_key = self._relays(placement.kv_relay, tiles.num_blocks)
+        self._rows(src, transit_key, tiles, sizes)
+        P, S = self.P, self.S
+        self.compute = np.bincount(self.rank * S + self.stage, weights=self.seconds, minlength=P * S).reshape(P, S)
+        self.time = self._times(np.arange(P))
+
+    def _groups(self, tiles) -> None:
+        """The q-groups (ids 0..Gq-1), then the kv-groups: their ranks, blocks, member tiles (listed group
+        by group), each tile's groups, and the stage histogram that gives a group's first and last."""
+        home, rank, nB = self.home, self.rank, tiles.num_blocks
         members, counts, g_rank, g_block, of_tile, base = [], [], [], [], [], 0
-        for block in (q, kv):
+        for block in (tiles.q, tiles.kv):
             idx = np.flatnonzero(home[block] != rank)
             key = rank[idx] * nB + block[idx]
             order = np.argsort(key, kind="stable")
             idx, key = idx[order], key[order]
             head = run_heads(key)
-            tile_group = np.full(q.size, -1, dtype=np.int64)
+            tile_group = np.full(block.size, -1, dtype=np.int64)
             tile_group[idx] = base + np.cumsum(head) - 1
             base += int(head.sum())
             of_tile.append(tile_group)
@@ -75,18 +83,21 @@ class ForwardPolish:
         self.num_q_groups = g_rank[0].size
         self.q_group, self.kv_group = of_tile
         G = self.g_rank.size
-        self.hist = np.zeros((G, S), dtype=np.int64)
+        self.hist = np.zeros((G, self.S), dtype=np.int64)
         for groups in (self.q_group, self.kv_group):
             t = np.flatnonzero(groups >= 0)
             np.add.at(self.hist, (groups[t], self.stage[t]), 1)
         self.first, self.last = self._ends(np.arange(G))
 
-        # relays: each kv-group's source, its proxy group (or -1) or transit source (or -1)
-        relay = as_relay_table(placement.kv_relay)
-        Gq = self.num_q_groups
+    def _relays(self, kv_relay, nB: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each kv-group's proxy group (``proxy_of``, or -1) or transit source (``transit_of``, or -1),
+        each proxy's receivers (``children``), each transit source's (``transit_dsts``). Returns every
+        group's input source and the transit sources' keys (source * nB + block)."""
+        relay = as_relay_table(kv_relay)
+        G, Gq = self.g_rank.size, self.num_q_groups
         kv_ids = np.arange(Gq, G)
         group_key = self.g_rank[kv_ids] * nB + self.g_block[kv_ids]
-        src = home[self.g_block].copy()
+        src = self.home[self.g_block].copy()
         self.proxy_of = np.full(G, -1, dtype=np.int64)
         self.transit_of = np.full(G, -1, dtype=np.int64)
         block, dst, source = relay.T
@@ -96,37 +107,38 @@ class ForwardPolish:
         pos = np.minimum(np.searchsorted(group_key, source_key), max(group_key.size - 1, 0))
         proxy = group_key[pos] == source_key if group_key.size else np.zeros(block.size, dtype=bool)
         self.proxy_of[receiver[proxy]] = kv_ids[pos[proxy]]
-        self.children = {}  # proxy group -> its relay receivers' groups
+        self.children = {}
         for p, d in zip(kv_ids[pos[proxy]].tolist(), receiver[proxy].tolist()):
             self.children.setdefault(p, []).append(d)
         transit_key, self.transit_of[receiver[~proxy]] = np.unique(source_key[~proxy], return_inverse=True)
-        by_transit = np.argsort(self.transit_of[receiver[~proxy]], kind="stable")
-        self.transit_dsts = np.split(receiver[~proxy][by_transit],
-                                     np.cumsum(np.bincount(self.transit_of[receiver[~proxy]],
-                                                           minlength=transit_key.size))[:-1])
+        through = self.transit_of[receiver[~proxy]]
+        self.transit_dsts = np.split(receiver[~proxy][np.argsort(through, kind="stable")],
+                                     np.cumsum(np.bincount(through, minlength=transit_key.size))[:-1])
+        return src, transit_key
 
-        # rows: a group's input row (id g), a q-group's OUT row (id G + g), a transit row (id G + Gq + k)
-        block_len = tiles.block_lengths()
+    def _rows(self, src: np.ndarray, transit_key: np.ndarray, tiles, sizes: dict) -> None:
+        """The forward rows: a group's input row (id g), a q-group's OUT row (id G + g), a transit
+        source's KV row (id G + Gq + k); their bytes, links and exchanges, and the loads they make."""
+        G, Gq, nB, home = self.g_rank.size, self.num_q_groups, tiles.num_blocks, self.home
         t_block = transit_key % nB
         kinds = np.concatenate([np.where(np.arange(G) < Gq, KIND_Q, KIND_KV), np.full(Gq, KIND_OUT),
                                 np.full(transit_key.size, KIND_KV)])
         self.row_src = np.concatenate([src, self.g_rank[:Gq], home[t_block]])
         self.row_dst = np.concatenate([self.g_rank, home[self.g_block[:Gq]], transit_key // nB])
         row_block = np.concatenate([self.g_block, self.g_block[:Gq], t_block])
-        self.row_bytes = payload_bytes(kinds, block_len[row_block], **sizes).astype(np.int64)
-        node_of = cost_model.topology.node_of
+        self.row_bytes = payload_bytes(kinds, tiles.block_lengths()[row_block], **sizes).astype(np.int64)
+        node_of = self.cost_model.topology.node_of
         self.row_link = (node_of(self.row_src) != node_of(self.row_dst)).astype(np.int64)
         self.row_ex = np.concatenate([self.first - 1, self.last[:Gq] + 1,
                                       [self._transit_exchange(k) for k in range(transit_key.size)]]).astype(np.int64)
-        self.load = np.zeros((2, 2, P, S + 1), dtype=np.int64)  # [link, send / receive, rank, exchange]
-        self.rows_at = np.zeros((2, P, S + 1), dtype=np.int64)  # rows touching (rank, exchange) per link
+        self.load = np.zeros((2, 2, self.P, self.S + 1), dtype=np.int64)  # [link, send / receive, rank, exchange]
+        self.rows_at = np.zeros((2, self.P, self.S + 1), dtype=np.int64)  # rows at (rank, exchange) per link
         self._add_rows(np.arange(self.row_ex.size), 1)
-        self.compute = np.bincount(rank * S + self.stage, weights=self.seconds, minlength=P * S).reshape(P, S)
-        self.time = self._times(np.arange(P))
 
     # state updates --------------------------------------------------------------------------------------
 
     def _ends(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(first, last) stage of each of ``groups``, from the histogram."""
         used = self.hist[groups] > 0
         return used.argmax(axis=1), self.S - 1 - used[:, ::-1].argmax(axis=1)
 
@@ -135,6 +147,7 @@ class ForwardPolish:
         return int(self.first[self.transit_dsts[k]].min()) - 2
 
     def _add_rows(self, rows: np.ndarray, sign: int) -> None:
+        """Add (``sign`` 1) or remove (-1) ``rows``' bytes and counts at both ends in their exchanges."""
         link, ex, b = self.row_link[rows], self.row_ex[rows], self.row_bytes[rows] * sign
         ends = np.concatenate([self.row_src[rows], self.row_dst[rows]])
         link2, ex2 = np.concatenate([link, link]), np.concatenate([ex, ex])
@@ -195,6 +208,7 @@ class ForwardPolish:
         return groups[moved_first]
 
     def _unit(self, g: int, last: bool = False) -> np.ndarray:
+        """Group g's tiles in its first stage (or, ``last``, in its last)."""
         tiles = self.members[self.starts[g]:self.starts[g + 1]]
         return tiles[self.stage[tiles] == (self.last[g] if last else self.first[g])]
 
@@ -222,10 +236,12 @@ class ForwardPolish:
         return True
 
     def undo(self, undo: list) -> None:
+        """Take back the moves ``apply`` recorded, latest first."""
         for tiles, stage in reversed(undo):
             self._shift(tiles, stage)
 
     def _score(self) -> tuple[float, float]:
+        """(slowest rank's forward time, sum of the POLISH_TOP slowest)."""
         top = np.partition(self.time, self.P - min(POLISH_TOP, self.P))[-POLISH_TOP:]
         return float(self.time.max()), float(top.sum())
 
