@@ -100,10 +100,16 @@ class CostModel:
         at_dst = at_src + (dst - src) * S1
         busiest = np.maximum(np.bincount(at_src, weights=nbytes, minlength=2 * size),
                              np.bincount(at_dst, weights=nbytes, minlength=2 * size)).reshape(2, P, S1)
-        intra_t, inter_t = busiest[0] / topo.intra_bw, busiest[1] / topo.inter_bw
         rows = (np.bincount(at_src, minlength=2 * size) + np.bincount(at_dst, minlength=2 * size)).reshape(2, P, S1) > 0
+        return self.link_time(busiest, rows)
+
+    def link_time(self, busiest: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Transfer time from ``busiest`` [2, ...] bytes (the busier of send and receive; NVLink, then
+        NIC) and ``rows`` [2, ...] (bool: any row on that link): the slower link, plus one latency, the
+        inter-node one if any row crosses nodes."""
+        topo = self.topology
         lat = np.where(rows[1], topo.inter_lat, np.where(rows[0], topo.intra_lat, 0.0))
-        return np.maximum(intra_t, inter_t) + lat
+        return np.maximum(busiest[0] / topo.intra_bw, busiest[1] / topo.inter_bw) + lat
 
     def step_times(self, compute: np.ndarray, comm_fwd: np.ndarray, comm_bwd: np.ndarray,
                    compute_bwd: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -160,11 +160,7 @@ class ForwardPolish:
     def _comm(self, ranks) -> np.ndarray:
         """Transfer time of ``ranks`` (an int or an array) in every exchange (planner/cost_model.py
         ``stage_comm_time``), from the current loads."""
-        topo = self.cost_model.topology
-        busiest = self.load[:, :, ranks].max(axis=1)  # [link, (ranks,) exchange]
-        rows = self.rows_at[:, ranks] > 0
-        return (np.maximum(busiest[0] / topo.intra_bw, busiest[1] / topo.inter_bw)
-                + np.where(rows[1], topo.inter_lat, np.where(rows[0], topo.intra_lat, 0.0)))
+        return self.cost_model.link_time(self.load[:, :, ranks].max(axis=1), self.rows_at[:, ranks] > 0)
 
     def _times(self, ranks: np.ndarray) -> np.ndarray:
         """Forward overlapped time of ``ranks`` from the current loads and compute."""

@@ -40,13 +40,8 @@ def _unpolished(monkeypatch, spec, world_size: int, topology: Topology, block: i
 
 
 def _forward_times(plan) -> np.ndarray:
-    """Per-rank forward time of a plan, from scratch (planner/cost_model.py)."""
-    cm, P, S = plan.cost_model, plan.world_size, plan.num_stages
-    rank, stage = plan.tile_rank.numpy().astype(np.int64), plan.tile_stage.numpy().astype(np.int64)
-    seconds = cm.tile_flops(plan.tile_pairs.numpy(), num_q_heads=plan.num_q_heads, head_dim=plan.head_dim) / cm.fwd_rate
-    compute = np.bincount(rank * S + stage, weights=seconds, minlength=P * S).reshape(P, S)
-    table = plan.schedule.table("fwd").numpy().astype(np.int64)
-    return cm.overlapped_time(compute, cm.stage_comm_time(table, plan.transfer_bytes("fwd"), P, S))
+    """Per-rank forward time of a plan, from scratch (``Plan.stats()``, planner/cost_model.py)."""
+    return np.asarray(plan.stats()["sim_time_fwd_per_rank"])
 
 
 CASE = dict(lens=long_tail_docs(3, 16384), world_size=8, topology=Topology(ranks_per_node=4), block=64)
