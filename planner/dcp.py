@@ -104,6 +104,7 @@ from .balance import balanced_ranks, pushed_rows
 from .cost_model import CostModel
 from .placement import Placement, balanced_bounds, prefix_sums, runs_to_home
 from .polish import polish_forward
+from .polish_bwd import polish_backward
 from .relay import add_relays, add_transit
 from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, payload_bytes, row_bytes
 from .stages import Finisher, assign_stages, defer_backward_groups, defer_variant_sets, finish_placement
@@ -480,6 +481,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         # last on the kept plan alone (every choice above compares plans as staged, so this only adds
         # a step); the re-plan below is decided on the time before it, and its plan is polished too
         result = polish_forward(tiles, result, world_size=world_size, cost_model=cost_model, sizes=sizes)
+        result = polish_backward(tiles, result, world_size=world_size, cost_model=cost_model, sizes=sizes)
     if replan:
         # planned again from the start with the balancer weighing exposed transfers (REPLAN_OVERLAP)
         again = dcp(tiles, world_size, cost_model=replace(cost_model, balance_overlap=REPLAN_OVERLAP),

@@ -42,31 +42,52 @@ POLISH_WIDTH = 4  # candidate units per exchange and kind (rows by bytes, own un
 POLISH_TOP = 4  # tie-break: the sum of this many slowest ranks' forward times
 
 
-class ForwardPolish:
-    """The search state of one placement (see module docstring)."""
+class StageSearch:
+    """What the forward and the backward polish share: the search state of one placement's stages in
+    one direction (tile groups and their first / last stages, byte loads per link, rank and exchange,
+    compute per rank and stage, per-rank times), the incremental move and its undo, and the greedy
+    rounds. A subclass says which rows a group's first / last stage places (``_reroute``), which moves
+    to try (``_candidates``) and which relays a move must keep (``apply``)."""
 
-    def __init__(self, tiles, placement: Placement, *, world_size: int, cost_model: CostModel, sizes: dict):
+    def _setup(self, tiles, placement: Placement, stage: np.ndarray, seconds: np.ndarray, *, world_size: int,
+               cost_model: CostModel, local_groups: bool) -> None:
+        """The tile state: ranks, ``stage`` (copied), per-tile ``seconds``, the groups (``_groups``) and
+        the compute per rank and stage. The rows follow in the subclass, then ``_start``."""
         self.cost_model = cost_model
         self.P, self.S = world_size, placement.schedule.num_stages
         self.home = np.asarray(placement.block_home, dtype=np.int64)
         self.rank = np.asarray(placement.tile_rank, dtype=np.int64)
-        self.stage = np.asarray(placement.tile_stage, dtype=np.int64).copy()
-        self.seconds = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"],
-                                             head_dim=sizes["head_dim"]) / cost_model.fwd_rate
-        self._groups(tiles)
-        src, transit_key = self._relays(placement.kv_relay, tiles.num_blocks)
-        self._rows(src, transit_key, tiles, sizes)
+        self.stage = np.asarray(stage, dtype=np.int64).copy()
+        self.seconds = seconds
+        self._groups(tiles, local_groups)
         P, S = self.P, self.S
         self.compute = np.bincount(self.rank * S + self.stage, weights=self.seconds, minlength=P * S).reshape(P, S)
-        self.time = self._times(np.arange(P))
 
-    def _groups(self, tiles) -> None:
-        """The q-groups (ids 0..Gq-1), then the kv-groups: their ranks, blocks, member tiles (listed group
-        by group), each tile's groups, and the stage histogram that gives a group's first and last."""
+    def _start(self, row_src, row_dst, row_ex, row_bytes, row_on=None) -> None:
+        """The rows (ids in the subclass's layout), their loads, and every rank's time."""
+        self.row_src, self.row_dst = row_src.astype(np.int64), row_dst.astype(np.int64)
+        self.row_ex, self.row_bytes = row_ex.astype(np.int64), row_bytes.astype(np.int64)
+        self.row_on = np.ones(row_src.size, dtype=bool) if row_on is None else row_on
+        node_of = self.cost_model.topology.node_of
+        self.row_link = (node_of(self.row_src) != node_of(self.row_dst)).astype(np.int64)
+        self.load = np.zeros((2, 2, self.P, self.S + 1), dtype=np.int64)  # [link, send / receive, rank, exchange]
+        self.rows_at = np.zeros((2, self.P, self.S + 1), dtype=np.int64)  # rows at (rank, exchange) per link
+        self._add_rows(np.arange(self.row_ex.size), 1)
+        self.time = self._times(np.arange(self.P))
+
+    def _groups(self, tiles, local_groups: bool) -> None:
+        """The q-groups (ids 0..Gq-1), then the kv-groups (..G-1), then (``local_groups``) the tiles that
+        read no remote block grouped by (rank, q-block) (..G_all-1: no rows, units of compute only):
+        their ranks, blocks, member tiles (listed group by group), each tile's groups, and the stage
+        histogram that gives a group's first and last."""
         home, rank, nB = self.home, self.rank, tiles.num_blocks
         members, counts, g_rank, g_block, of_tile, base = [], [], [], [], [], 0
-        for block in (tiles.q, tiles.kv):
-            idx = np.flatnonzero(home[block] != rank)
+        remote_q, remote_kv = home[tiles.q] != rank, home[tiles.kv] != rank
+        kinds = [(tiles.q, remote_q), (tiles.kv, remote_kv)]
+        if local_groups:
+            kinds.append((tiles.q, ~(remote_q | remote_kv)))
+        for block, chosen in kinds:
+            idx = np.flatnonzero(chosen)
             key = rank[idx] * nB + block[idx]
             order = np.argsort(key, kind="stable")
             idx, key = idx[order], key[order]
@@ -83,20 +104,21 @@ class ForwardPolish:
         self.starts = np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.int64)
         self.g_rank, self.g_block = np.concatenate(g_rank), np.concatenate(g_block)
         self.num_q_groups = g_rank[0].size
-        self.q_group, self.kv_group = of_tile
-        G = self.g_rank.size
-        self.hist = np.zeros((G, self.S), dtype=np.int64)
-        for groups in (self.q_group, self.kv_group):
+        self.num_groups = g_rank[0].size + g_rank[1].size  # G: the groups with rows
+        self.tile_groups = of_tile
+        all_groups = self.g_rank.size
+        self.hist = np.zeros((all_groups, self.S), dtype=np.int64)
+        for groups in self.tile_groups:
             t = np.flatnonzero(groups >= 0)
             np.add.at(self.hist, (groups[t], self.stage[t]), 1)
-        self.first, self.last = self._ends(np.arange(G))
+        self.first, self.last = self._ends(np.arange(all_groups))
 
     def _relays(self, kv_relay, nB: int) -> tuple[np.ndarray, np.ndarray]:
         """Each kv-group's proxy group (``proxy_of``, or -1) or transit source (``transit_of``, or -1),
         each proxy's receivers (``children``), each transit source's (``transit_dsts``). Returns every
         group's input source and the transit sources' keys (source * nB + block)."""
         relay = as_relay_table(kv_relay)
-        G, Gq = self.g_rank.size, self.num_q_groups
+        G, Gq = self.num_groups, self.num_q_groups
         kv_ids = np.arange(Gq, G)
         group_key = self.g_rank[kv_ids] * nB + self.g_block[kv_ids]
         src = self.home[self.g_block].copy()
@@ -118,25 +140,6 @@ class ForwardPolish:
                                      np.cumsum(np.bincount(through, minlength=transit_key.size))[:-1])
         return src, transit_key
 
-    def _rows(self, src: np.ndarray, transit_key: np.ndarray, tiles, sizes: dict) -> None:
-        """The forward rows: a group's input row (id g), a q-group's OUT row (id G + g), a transit
-        source's KV row (id G + Gq + k); their bytes, links and exchanges, and the loads they make."""
-        G, Gq, nB, home = self.g_rank.size, self.num_q_groups, tiles.num_blocks, self.home
-        t_block = transit_key % nB
-        kinds = np.concatenate([np.where(np.arange(G) < Gq, KIND_Q, KIND_KV), np.full(Gq, KIND_OUT),
-                                np.full(transit_key.size, KIND_KV)])
-        self.row_src = np.concatenate([src, self.g_rank[:Gq], home[t_block]])
-        self.row_dst = np.concatenate([self.g_rank, home[self.g_block[:Gq]], transit_key // nB])
-        row_block = np.concatenate([self.g_block, self.g_block[:Gq], t_block])
-        self.row_bytes = payload_bytes(kinds, tiles.block_lengths()[row_block], **sizes).astype(np.int64)
-        node_of = self.cost_model.topology.node_of
-        self.row_link = (node_of(self.row_src) != node_of(self.row_dst)).astype(np.int64)
-        self.row_ex = np.concatenate([self.first - 1, self.last[:Gq] + 1,
-                                      [self._transit_exchange(k) for k in range(transit_key.size)]]).astype(np.int64)
-        self.load = np.zeros((2, 2, self.P, self.S + 1), dtype=np.int64)  # [link, send / receive, rank, exchange]
-        self.rows_at = np.zeros((2, self.P, self.S + 1), dtype=np.int64)  # rows at (rank, exchange) per link
-        self._add_rows(np.arange(self.row_ex.size), 1)
-
     # state updates --------------------------------------------------------------------------------------
 
     def _ends(self, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -144,12 +147,10 @@ class ForwardPolish:
         used = self.hist[groups] > 0
         return used.argmax(axis=1), self.S - 1 - used[:, ::-1].argmax(axis=1)
 
-    def _transit_exchange(self, k: int) -> int:
-        """The exchange a transit source receives its block in: one stage before its first receiver's."""
-        return int(self.first[self.transit_dsts[k]].min()) - 2
-
     def _add_rows(self, rows: np.ndarray, sign: int) -> None:
-        """Add (``sign`` 1) or remove (-1) ``rows``' bytes and counts at both ends in their exchanges."""
+        """Add (``sign`` 1) or remove (-1) ``rows``' bytes and counts at both ends in their exchanges
+        (rows switched off are not counted)."""
+        rows = rows[self.row_on[rows]]
         link, ex, b = self.row_link[rows], self.row_ex[rows], self.row_bytes[rows] * sign
         ends = np.concatenate([self.row_src[rows], self.row_dst[rows]])
         link2, ex2 = np.concatenate([link, link]), np.concatenate([ex, ex])
@@ -163,7 +164,7 @@ class ForwardPolish:
         return self.cost_model.link_time(self.load[:, :, ranks].max(axis=1), self.rows_at[:, ranks] > 0)
 
     def _times(self, ranks: np.ndarray) -> np.ndarray:
-        """Forward overlapped time of ``ranks`` from the current loads and compute."""
+        """Overlapped time of ``ranks`` in this direction from the current loads and compute."""
         return self.cost_model.overlapped_time(self.compute[ranks], self._comm(ranks))
 
     def _shift(self, tiles: np.ndarray, to) -> np.ndarray:
@@ -175,40 +176,159 @@ class ForwardPolish:
         r = int(self.rank[tiles[0]])
         seconds = self.seconds[tiles]
         np.add.at(self.compute[r], np.concatenate([old, new]), np.concatenate([-seconds, seconds]))
-        g = np.concatenate([self.q_group[tiles], self.kv_group[tiles]])
+        g = np.concatenate([groups[tiles] for groups in self.tile_groups])
         keep = g >= 0
-        g, o, n = g[keep], np.concatenate([old, old])[keep], np.concatenate([new, new])[keep]
-        np.add.at(self.hist, (np.concatenate([g, g]), np.concatenate([o, n])),
-                  np.repeat(np.array([-1, 1]), g.size))
+        n = len(self.tile_groups)
+        g, o, s = g[keep], np.concatenate([old] * n)[keep], np.concatenate([new] * n)[keep]
+        np.add.at(self.hist, (np.concatenate([g, g]), np.concatenate([o, s])), np.repeat(np.array([-1, 1]), g.size))
         groups = np.unique(g)
         first, last = self._ends(groups)
-        Gq, G = self.num_q_groups, self.g_rank.size
-        moved_first = first != self.first[groups]
-        is_q = groups < Gq
-        moved_last = is_q & (last != self.last[groups])
-        self.first[groups] = first
-        self.last[groups[is_q]] = last[is_q]
-        rows = [groups[moved_first], G + groups[moved_last]]
-        ex = [first[moved_first] - 1, last[moved_last] + 1]
-        transit = self.transit_of[groups[moved_first]]
+        moved_first = groups[first != self.first[groups]]
+        moved_last = groups[last != self.last[groups]]
+        self.first[groups], self.last[groups] = first, last
+        G = self.num_groups
+        ranks = self._reroute(moved_first[moved_first < G], moved_last[moved_last < G])
+        ranks = np.unique(np.append(ranks, r))
+        self.time[ranks] = self._times(ranks)
+        return moved_first[moved_first < G]
+
+    def _move_rows(self, rows: np.ndarray, **columns) -> np.ndarray:
+        """Give ``rows`` new ``columns`` (row_ex, row_dst, row_on: arrays), loads following; returns the
+        ranks at their ends, before and after."""
+        if rows.size == 0:
+            return rows
+        ends = [self.row_src[rows], self.row_dst[rows]]
+        self._add_rows(rows, -1)
+        for name, values in columns.items():
+            getattr(self, name)[rows] = values
+        if "row_dst" in columns:
+            node_of = self.cost_model.topology.node_of
+            self.row_link[rows] = node_of(self.row_src[rows]) != node_of(self.row_dst[rows])
+        self._add_rows(rows, 1)
+        return np.concatenate(ends + [self.row_dst[rows]])
+
+    def _unit(self, g: int, stage: int) -> np.ndarray:
+        """Group g's tiles in ``stage``."""
+        tiles = self.members[self.starts[g]:self.starts[g + 1]]
+        return tiles[self.stage[tiles] == stage]
+
+    def undo(self, undo: list) -> None:
+        """Take back the moves ``apply`` recorded, latest first."""
+        for tiles, stage in reversed(undo):
+            self._shift(tiles, stage)
+
+    def _score(self) -> tuple[float, float]:
+        """(slowest rank's time, sum of the POLISH_TOP slowest)."""
+        top = np.partition(self.time, self.P - min(POLISH_TOP, self.P))[-POLISH_TOP:]
+        return float(self.time.max()), float(top.sum())
+
+    # search ---------------------------------------------------------------------------------------------
+
+    def _exposed(self, r: int) -> tuple[list, np.ndarray]:
+        """Rank r's POLISH_EXCHANGES most exposed exchanges (transfer time over the compute beside it),
+        each with its busiest (link, send / receive), and the rows that make up that load, largest
+        first (POLISH_WIDTH of them)."""
+        topo = self.cost_model.topology
+        S = self.S
+        seconds = self.load[:, :, r] / np.array([topo.intra_bw, topo.inter_bw])[:, None, None]
+        comm = self._comm(r)
+        exposed = np.append(comm[:S] - self.compute[r], comm[S])
+        out = []
+        for j in np.argsort(-exposed)[:POLISH_EXCHANGES].tolist():
+            if exposed[j] <= 0:
+                break
+            link, side = np.unravel_index(int(seconds[:, :, j].argmax()), (2, 2))
+            at = self.row_src if side == 0 else self.row_dst
+            rows = np.flatnonzero((at == r) & (self.row_ex == j) & (self.row_link == link) & self.row_on)
+            out.append((j, rows[np.argsort(-self.row_bytes[rows], kind="stable")[:POLISH_WIDTH]]))
+        return out
+
+    look = 1  # ranks looked at per round, slowest first, while none of them has a move
+
+    def _lowest(self, unit: np.ndarray) -> int:
+        """The earliest stage ``unit`` may move to."""
+        return 1
+
+    def _moves(self, r: int) -> list:
+        """The candidate moves of a round, unique: each a tuple of steps (tiles of one rank, stage)."""
+        moves = {}
+        for key, steps in self._candidates(r):
+            moves.setdefault(key, steps)
+        return [steps for steps in moves.values()
+                if all(tiles.size and self._lowest(tiles) <= to <= self.S - 1 for tiles, to in steps)]
+
+    def _make(self, steps: tuple, undo: list) -> bool:
+        """Apply every step of a move (recorded in ``undo``); False where one cannot be made."""
+        return all(self.apply(tiles, to, undo) for tiles, to in steps)
+
+    def run(self, rounds: int | None = None) -> bool:
+        """Greedy rounds (module docstring), POLISH_ROUNDS by default; True where the stages changed."""
+        rounds = POLISH_ROUNDS if rounds is None else rounds
+        best = self._score()
+        changed = False
+        for _ in range(rounds):
+            found = None
+            for r in np.argsort(-self.time, kind="stable")[:self.look].tolist():
+                for steps in self._moves(r):
+                    undo = []
+                    ok = self._make(steps, undo)
+                    score = self._score() if ok else None
+                    self.undo(undo)
+                    # (lexicographic: the slowest rank first, then the POLISH_TOP slowest together)
+                    if ok and score < (best if found is None else found[0]):
+                        found = (score, steps)
+                if found is not None:
+                    break  # (the next slowest ranks are looked at only where the slowest has no move)
+            if found is None:
+                break
+            best, steps = found
+            if not self._make(steps, []):
+                raise AssertionError("a scored move could not be made again")
+            changed = True
+        return changed
+
+
+class ForwardPolish(StageSearch):
+    """The forward stages' search state of one placement (see module docstring)."""
+
+    def __init__(self, tiles, placement: Placement, *, world_size: int, cost_model: CostModel, sizes: dict):
+        seconds = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"],
+                                        head_dim=sizes["head_dim"]) / cost_model.fwd_rate
+        self._setup(tiles, placement, placement.tile_stage, seconds, world_size=world_size, cost_model=cost_model,
+                    local_groups=False)
+        src, transit_key = self._relays(placement.kv_relay, tiles.num_blocks)
+        self._rows(src, transit_key, tiles, sizes)
+
+    def _rows(self, src: np.ndarray, transit_key: np.ndarray, tiles, sizes: dict) -> None:
+        """The forward rows: a group's input row (id g), a q-group's OUT row (id G + g), a transit
+        source's KV row (id G + Gq + k); their bytes, links and exchanges, and the loads they make."""
+        G, Gq, nB, home = self.num_groups, self.num_q_groups, tiles.num_blocks, self.home
+        t_block = transit_key % nB
+        kinds = np.concatenate([np.where(np.arange(G) < Gq, KIND_Q, KIND_KV), np.full(Gq, KIND_OUT),
+                                np.full(transit_key.size, KIND_KV)])
+        row_src = np.concatenate([src, self.g_rank[:Gq], home[t_block]])
+        row_dst = np.concatenate([self.g_rank, home[self.g_block[:Gq]], transit_key // nB])
+        row_block = np.concatenate([self.g_block, self.g_block[:Gq], t_block])
+        row_ex = np.concatenate([self.first[:G] - 1, self.last[:Gq] + 1,
+                                 [self._transit_exchange(k) for k in range(transit_key.size)]])
+        self._start(row_src, row_dst, row_ex, payload_bytes(kinds, tiles.block_lengths()[row_block], **sizes))
+
+    def _transit_exchange(self, k: int) -> int:
+        """The exchange a transit source receives its block in: one stage before its first receiver's."""
+        return int(self.first[self.transit_dsts[k]].min()) - 2
+
+    def _reroute(self, moved_first: np.ndarray, moved_last: np.ndarray) -> np.ndarray:
+        """The input rows of groups whose first stage moved, the OUT rows of q-groups whose last did, and
+        the rows into the transit sources they read from; returns the ranks at their ends."""
+        G, Gq = self.num_groups, self.num_q_groups
+        moved_last = moved_last[moved_last < Gq]
+        rows, ex = [moved_first, G + moved_last], [self.first[moved_first] - 1, self.last[moved_last] + 1]
+        transit = self.transit_of[moved_first]
         transit = np.unique(transit[transit >= 0])
         if transit.size:
             rows.append(G + Gq + transit)
             ex.append(np.array([self._transit_exchange(k) for k in transit.tolist()], dtype=np.int64))
-        rows = np.concatenate(rows)
-        ranks = np.array([r])
-        if rows.size:
-            self._add_rows(rows, -1)
-            self.row_ex[rows] = np.concatenate(ex)
-            self._add_rows(rows, 1)
-            ranks = np.unique(np.concatenate([ranks, self.row_src[rows], self.row_dst[rows]]))
-        self.time[ranks] = self._times(ranks)
-        return groups[moved_first]
-
-    def _unit(self, g: int, last: bool = False) -> np.ndarray:
-        """Group g's tiles in its first stage (or, ``last``, in its last)."""
-        tiles = self.members[self.starts[g]:self.starts[g + 1]]
-        return tiles[self.stage[tiles] == (self.last[g] if last else self.first[g])]
+        return self._move_rows(np.concatenate(rows), row_ex=np.concatenate(ex))
 
     def apply(self, tiles: np.ndarray, to: int, undo: list, depth: int = 0) -> bool:
         """Move ``tiles`` to stage ``to`` (recorded in ``undo``) with the relay cascades it needs; False
@@ -221,7 +341,7 @@ class ForwardPolish:
             if p >= 0 and self.first[p] >= self.first[g]:
                 if depth >= 2 or self.first[g] - 1 < 1:
                     return False
-                if not self.apply(self._unit(p), self.first[g] - 1, undo, depth + 1):
+                if not self.apply(self._unit(p, self.first[p]), self.first[g] - 1, undo, depth + 1):
                     return False
             for d in self.children.get(g, ()):
                 if self.first[d] <= self.first[g]:
@@ -233,82 +353,47 @@ class ForwardPolish:
                         return False
         return True
 
-    def undo(self, undo: list) -> None:
-        """Take back the moves ``apply`` recorded, latest first."""
-        for tiles, stage in reversed(undo):
-            self._shift(tiles, stage)
-
-    def _score(self) -> tuple[float, float]:
-        """(slowest rank's forward time, sum of the POLISH_TOP slowest)."""
-        top = np.partition(self.time, self.P - min(POLISH_TOP, self.P))[-POLISH_TOP:]
-        return float(self.time.max()), float(top.sum())
-
-    # search ---------------------------------------------------------------------------------------------
-
     def _candidates(self, r: int) -> list:
-        """(group, last-unit?, direction) moves around rank r's most exposed exchanges: the units whose
-        rows make up r's busiest link and direction there (the POLISH_WIDTH largest), and r's own units
-        whose compute could move beside that exchange (the POLISH_WIDTH largest)."""
-        topo = self.cost_model.topology
-        S = self.S
-        busiest = self.load[:, :, r]  # [link, send / receive, exchange]
-        seconds = busiest / np.array([topo.intra_bw, topo.inter_bw])[:, None, None]
-        comm = self._comm(r)
-        exposed = np.append(comm[:S] - self.compute[r], comm[S])
+        """(key, steps) of the moves around rank r's most exposed exchanges: a unit moved one stage, of
+        the units whose rows make up r's busiest link and direction there (the POLISH_WIDTH largest),
+        and of r's own units whose compute could move beside that exchange (the POLISH_WIDTH largest)."""
         out = []
-        Gq, G = self.num_q_groups, self.g_rank.size
-        for j in np.argsort(-exposed)[:POLISH_EXCHANGES].tolist():
-            if exposed[j] <= 0:
-                break
-            link, side = np.unravel_index(int(seconds[:, :, j].argmax()), (2, 2))
-            at = self.row_src if side == 0 else self.row_dst
-            rows = np.flatnonzero((at == r) & (self.row_ex == j) & (self.row_link == link))
-            rows = rows[np.argsort(-self.row_bytes[rows], kind="stable")[:POLISH_WIDTH]]
+        G, Gq = self.num_groups, self.num_q_groups
+        for j, rows in self._exposed(r):
+            named = []
             for row in rows.tolist():
                 if row < G:
-                    out += [(row, False, d) for d in (-1, 1)]
+                    named += [(row, int(self.first[row]), d) for d in (-1, 1)]
                 elif row < G + Gq:
-                    out += [(row - G, True, d) for d in (-1, 1)]
+                    named += [(row - G, int(self.last[row - G]), d) for d in (-1, 1)]
                 else:
-                    out += [(g, False, d) for g in self.transit_dsts[row - G - Gq][:2].tolist() for d in (-1, 1)]
-            if j < S:
+                    named += [(g, int(self.first[g]), d) for g in self.transit_dsts[row - G - Gq][:2].tolist()
+                              for d in (-1, 1)]
+            if j < self.S:
                 # r's compute beside exchange j: units starting in stage j + 1 (earlier) or j - 1 (later)
                 for f, d in ((j + 1, -1), (j - 1, 1)):
                     own = np.flatnonzero((self.g_rank == r) & (self.first == f))
                     if own.size:
-                        weight = np.array([self.seconds[self._unit(g)].sum() for g in own.tolist()])
+                        weight = np.array([self.seconds[self._unit(g, f)].sum() for g in own.tolist()])
                         heaviest = own[np.argsort(-weight, kind="stable")[:POLISH_WIDTH]]
-                        out += [(g, False, d) for g in heaviest.tolist()]
-        return list(dict.fromkeys(out))
+                        named += [(g, f, d) for g in heaviest.tolist()]
+            out += [((g, at, d), ((self._unit(g, at), at + d),)) for g, at, d in named]
+        return out
 
-    def run(self, rounds: int | None = None) -> bool:
-        """Greedy rounds (module docstring), POLISH_ROUNDS by default; True where the stages changed."""
-        rounds = POLISH_ROUNDS if rounds is None else rounds
-        best = self._score()
-        changed = False
-        for _ in range(rounds):
-            r = int(self.time.argmax())
-            found = None
-            for g, last, direction in self._candidates(r):
-                unit = self._unit(g, last)
-                to = int(self.stage[unit[0]]) + direction
-                if not 1 <= to <= self.S - 1:
-                    continue
-                undo = []
-                ok = self.apply(unit, to, undo)
-                score = self._score() if ok else None
-                self.undo(undo)
-                # (lexicographic: the slowest rank first, then the POLISH_TOP slowest together)
-                if ok and score < (best if found is None else found[0]):
-                    found = (score, g, last, to)
-            if found is None:
-                break
-            best, g, last, to = found
-            undo = []
-            if not self.apply(self._unit(g, last), to, undo):
-                raise AssertionError("a scored move could not be made again")
-            changed = True
-        return changed
+
+def staged_comm(tiles, placement: Placement, stage: np.ndarray, stage_bwd: np.ndarray, *, world_size: int,
+                cost_model: CostModel, sizes: dict) -> tuple:
+    """(schedule, {"fwd", "bwd": transfer time [P, S + 1]}) of ``placement`` under forward stages
+    ``stage`` and backward stages ``stage_bwd``."""
+    S = placement.schedule.num_stages
+    sched = derive_schedule(placement.block_home, tiles.q, tiles.kv, placement.tile_rank, stage,
+                            num_blocks=tiles.num_blocks, num_stages=S, world_size=world_size,
+                            kv_relay=placement.kv_relay, tile_stage_bwd=stage_bwd)
+    block_len, comm = tiles.block_lengths(), {}
+    for direction in ("fwd", "bwd"):
+        table = sched.table(direction).numpy().astype(np.int64)
+        comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), world_size, S)
+    return sched, comm
 
 
 def polish_forward(tiles, placement: Placement, *, world_size: int, cost_model: CostModel, sizes: dict) -> Placement:
@@ -323,13 +408,8 @@ def polish_forward(tiles, placement: Placement, *, world_size: int, cost_model: 
         return placement
     S, home, rank, stage = search.S, search.home, search.rank, search.stage
     stage_bwd = np.asarray(placement.tile_stage_bwd, dtype=np.int64)
-    sched = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks, num_stages=S,
-                            world_size=world_size, kv_relay=placement.kv_relay, tile_stage_bwd=stage_bwd)
-    block_len = tiles.block_lengths()
-    comm = {}
-    for direction in ("fwd", "bwd"):
-        table = sched.table(direction).numpy().astype(np.int64)
-        comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), world_size, S)
+    sched, comm = staged_comm(tiles, placement, stage, stage_bwd, world_size=world_size, cost_model=cost_model,
+                              sizes=sizes)
     seconds = search.seconds
     local = (home[tiles.q] == rank) & (home[tiles.kv] == rank)
     movable = lambda: own_row_movable(tiles.q, tiles.kv, stage, rank, home)  # noqa: E731

@@ -64,12 +64,14 @@ def skip_deal_pass(monkeypatch):
 
 @pytest.fixture
 def skip_polish(monkeypatch):
-    """A function that, called, switches off dcp's forward polish (planner/polish.py, the last step on the
-    kept plan) for the rest of the test: for tests that measure what one earlier pass gains."""
+    """A function that, called, switches off dcp's forward and backward polish (planner/polish.py,
+    planner/polish_bwd.py: the last steps on the kept plan) for the rest of the test: for tests that
+    measure what one earlier pass gains."""
 
     def skip():
         import blockattn.planner.dcp as dcp_module
 
-        monkeypatch.setattr(dcp_module, "polish_forward", lambda tiles, placement, **kwargs: placement)
+        for name in ("polish_forward", "polish_backward"):
+            monkeypatch.setattr(dcp_module, name, lambda tiles, placement, **kwargs: placement)
 
     return skip

@@ -410,15 +410,18 @@ def test_hand_made_transit_relay():
     assert transit_relays(home, groups, np.zeros((0, 3), np.int64), ranks_per_node=4, world_size=4).size == 0
 
 
-def test_dcp_keeps_transit_relays_where_they_are_faster(monkeypatch, skip_backward_deferral):
+def test_dcp_keeps_transit_relays_where_they_are_faster(monkeypatch, skip_backward_deferral, skip_polish):
     """Documents of 6000, 5000 and 800 tokens on 3 nodes of 2 ranks: dcp's plan relays KV through ranks
-    that compute nothing with it, and is faster for it (1.61 -> 1.59x the bound; without the second
+    that compute nothing with it, and is faster for it (1.585 -> 1.526x the bound; without the second
     opinion's "hierarchical-spread" start, whose homes already spread the sends over the NICs, 1.71 with
     transit relays on the final plan alone, 1.64 with them on every finalist). Without the final
-    backward deferral, which is decided after the relays and would change both plans compared."""
+    backward deferral and the polishes, which are decided after the relays and would change both plans
+    compared (with the polishes the plan without transit relays ends faster, 1.386 against 1.437: the
+    relays are chosen on unpolished plans)."""
     from blockattn.planner import dcp as dcp_module
 
     skip_backward_deferral()
+    skip_polish()
 
     spec = MaskSpec.documents([6000, 5000, 800])
     topology = Topology(ranks_per_node=2)
