@@ -28,7 +28,7 @@ change nothing until it reaches the late stages); and a reduce tree's sum moved 
 as a whole (every partial it waits for, and the proxy's own tiles). Relays impose no constraint: a
 reduce tree re-routes itself (a child whose partial would leave too late for its proxy to forward it
 sends it home), and a move is scored with the re-routed rows, block by block, by the schedule's own
-rule (``_dkv_routes``). The forward, the homes, the tile ranks and the relay table stay exactly as
+rule (``dkv_routes``). The forward, the homes, the tile ranks and the relay table stay exactly as
 they were.
 
 Measured (fwd + bwd over the bound, geomean, after the forward polish): held-out 32 / 8 1.174 ->
@@ -46,14 +46,13 @@ import numpy as np
 from .cost_model import CostModel
 from .placement import Placement
 from .polish import StageSearch, staged_comm
-from .schedule import KIND_DKV, KIND_DO, KIND_DQ, _dkv_routes, payload_bytes
+from .schedule import KIND_DKV, KIND_DO, KIND_DQ, dkv_routes, payload_bytes
 
 
 class BackwardPolish(StageSearch):
     """The backward stages' search state of one placement (see module docstring). Rows: a q-group's DO
     (id g), a group's partial, DQ or DKV (id Gq + g), a transit rank's forwarded DKV sum (id Gq + G + k,
     switched off while no child sends through it)."""
-
 
     def __init__(self, tiles, placement: Placement, *, world_size: int, cost_model: CostModel, sizes: dict):
         seconds = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
@@ -75,7 +74,7 @@ class BackwardPolish(StageSearch):
         kinds = np.concatenate([np.full(Gq, KIND_DO), np.full(Gq, KIND_DQ), np.full(G - Gq, KIND_DKV),
                                 np.full(T, KIND_DKV)])
         row_src = np.concatenate([home[self.g_block[:Gq]], self.g_rank[:G], self.transit_key // nB])
-        dst, stage, transit_rows = _dkv_routes(home, self.g_rank[Gq:G], kv_block, self.last[Gq:G], self.kv_src, nB,
+        dst, stage, transit_rows = dkv_routes(home, self.g_rank[Gq:G], kv_block, self.last[Gq:G], self.kv_src, nB,
                                                self.S)
         t_on, t_ex = self._transit_state(transit_rows)
         row_dst = np.concatenate([self.g_rank[:Gq], home[self.g_block[:Gq]], dst, home[self.transit_key % nB]])
@@ -84,7 +83,7 @@ class BackwardPolish(StageSearch):
         self._start(row_src, row_dst, row_ex, payload_bytes(kinds, tiles.block_lengths()[block], **sizes), row_on)
 
     def _transit_state(self, transit_rows: np.ndarray, ids: np.ndarray | None = None) -> tuple:
-        """(on, exchange) of the transit rows ``ids`` (default all) given ``_dkv_routes``' rows."""
+        """(on, exchange) of the transit rows ``ids`` (default all) given ``dkv_routes``' rows."""
         ids = np.arange(self.transit_key.size) if ids is None else ids
         on, ex = np.zeros(ids.size, dtype=bool), np.zeros(ids.size, dtype=np.int64)
         if transit_rows.shape[0]:
@@ -106,7 +105,7 @@ class BackwardPolish(StageSearch):
         ranks.append(self._move_rows(Gq + kv_last[plain], row_ex=self.last[kv_last[plain]] + 1))
         for b in np.unique(blocks[~plain]).tolist():
             groups, transits = self.block_groups[b], self.block_transits[b]
-            dst, stage, transit_rows = _dkv_routes(self.home, self.g_rank[groups], self.g_block[groups],
+            dst, stage, transit_rows = dkv_routes(self.home, self.g_rank[groups], self.g_block[groups],
                                                    self.last[groups], self.kv_src[groups - Gq], self.nB, self.S)
             ranks.append(self._move_rows(Gq + groups, row_dst=dst, row_ex=stage))
             if transits.size:
@@ -143,8 +142,9 @@ class BackwardPolish(StageSearch):
                     named += [(row - Gq, int(self.last[row - Gq]), d) for d in (-1, 1)]
                 late = sorted(senders.tolist(), key=lambda c: -int(self.row_ex[Gq + c]))
                 named += [(c, int(self.last[c]), -1) for c in late[:2]]
-                if senders.size:
-                    out.append(self._tree(row, senders, j))
+                tree = self._tree(row, senders, j) if senders.size else ()
+                if tree:
+                    out.append((("tree", row, j), tree))
             if j < self.S:
                 # r's compute beside exchange j: units in stage j + 1 (earlier) or j - 1 (later)
                 for f, d in ((j + 1, -1), (j - 1, 1)):
@@ -160,13 +160,13 @@ class BackwardPolish(StageSearch):
         """The kv-groups whose DKV partials ``row`` (a DKV row, or a transit rank's) forwards."""
         Gq, G = self.num_q_groups, self.num_groups
         if row < Gq + Gq:
-            return np.zeros(0, dtype=np.int64)
+            return np.zeros(0, dtype=np.int64)  # (a DQ row: its own partial only)
         block = self.g_block[row - Gq] if row < Gq + G else self.transit_key[row - Gq - G] % self.nB
         groups = self.block_groups[block]
         return groups[(self.row_dst[Gq + groups] == self.row_src[row]) & (Gq + groups != row)]
 
     def _tree(self, row: int, senders: np.ndarray, j: int) -> tuple:
-        """The move that lets ``row`` (a sum forwarded in exchange j) leave in exchange j - 1: every
+        """The steps that let ``row`` (a sum forwarded in exchange j) leave in exchange j - 1: every
         partial it waits for one exchange earlier (its senders' tiles after stage j - 3 to j - 3) and, for
         a proxy, its own tiles after stage j - 2 to j - 2. A single step cannot: the sum leaves only
         after its last partial arrived, so moving one sender alone changes nothing."""
@@ -179,8 +179,8 @@ class BackwardPolish(StageSearch):
             g = row - Gq
             tiles = self.members[self.starts[g]:self.starts[g + 1]]
             steps.append((tiles[self.stage[tiles] > j - 2], j - 2))
-        steps = tuple((tiles, to) for tiles, to in steps if tiles.size)
-        return ("tree", row, j), steps or ((np.zeros(0, dtype=np.int64), 0),)
+        return tuple((tiles, to) for tiles, to in steps if tiles.size)
+
 
 def _split_by(keys: np.ndarray, n: int, offset: int) -> list:
     """For each value 0..n-1, the positions (plus ``offset``) where ``keys`` holds it, ascending."""

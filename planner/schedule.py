@@ -288,7 +288,7 @@ def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num
     if kv_bwd is not kv_groups and not (np.array_equal(kv_bwd[0], r) and np.array_equal(kv_bwd[1], b)):
         raise ValueError("bwd_groups must hold the forward groups' (rank, block) pairs, in the same order")
     last = kv_bwd[3]  # (same pairs: the forward's KV sources are the backward's DKV parents)
-    dkv_dst, dkv_stage, transit_dkv = _dkv_routes(home, r, b, last, src, num_blocks, num_stages)
+    dkv_dst, dkv_stage, transit_dkv = dkv_routes(home, r, b, last, src, num_blocks, num_stages)
     d_kv = np.concatenate([_rows(dkv_stage, r, dkv_dst, KIND_DKV, b), transit_dkv])
     return np.concatenate([q_in, kv_in, out]), np.concatenate([d_out, d_q, d_kv])
 
@@ -337,7 +337,7 @@ def _kv_sources(home, r, b, relay, num_blocks: int) -> np.ndarray:
     return src
 
 
-def _dkv_routes(home, r, b, last, src, num_blocks: int, num_stages: int) -> tuple:
+def dkv_routes(home, r, b, last, src, num_blocks: int, num_stages: int) -> tuple:
     """(DKV destination [n], stage [n], transit rows [m, 5]) of the (rank r, kv-block b) receive groups
     (``last``: a group's last backward stage; ``src``: its KV source, ``_kv_sources``): home at
     ``last + 1``, or up a reduce tree.
