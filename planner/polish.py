@@ -194,10 +194,10 @@ class StageSearch:
         moved_last = groups[last != self.last[groups]]
         self.first[groups], self.last[groups] = first, last
         G = self.num_groups
-        ranks = self._reroute(moved_first[moved_first < G], moved_last[moved_last < G])
-        ranks = np.unique(np.append(ranks, r))
+        moved_first = moved_first[moved_first < G]  # (local groups have no rows)
+        ranks = np.unique(np.append(self._reroute(moved_first, moved_last[moved_last < G]), r))
         self.time[ranks] = self._times(ranks)
-        return moved_first[moved_first < G]
+        return moved_first
 
     def _move_rows(self, rows: np.ndarray, **columns) -> np.ndarray:
         """Give ``rows`` new ``columns`` (row_ex, row_dst, row_on: arrays), loads following; returns the
@@ -250,9 +250,10 @@ class StageSearch:
             out.append((j, rows[np.argsort(-self.row_bytes[rows], kind="stable")[:POLISH_WIDTH]]))
         return out
 
-    def _heaviest(self, r: int, f: int) -> list:
-        """Rank r's POLISH_WIDTH heaviest units in stage f (their groups)."""
-        own = np.flatnonzero((self.g_rank == r) & (self.hist[:, f] > 0))
+    def _heaviest(self, r: int, f: int, starting: bool = False) -> list:
+        """Rank r's POLISH_WIDTH heaviest units in stage f (their groups; ``starting``: only groups whose
+        first stage is f)."""
+        own = np.flatnonzero((self.g_rank == r) & ((self.first == f) if starting else (self.hist[:, f] > 0)))
         if own.size == 0:
             return []
         weight = np.array([self.seconds[self._unit(g, f)].sum() for g in own.tolist()])
@@ -262,6 +263,10 @@ class StageSearch:
         """Rank r's stages other than j whose compute outlasts their exchange, most spare first."""
         spare = self.compute[r] - self._comm(r)[:self.S]
         return [f for f in np.argsort(-spare, kind="stable").tolist() if spare[f] > 0 and f != j][:2]
+
+    def _one_stage(self, named: list) -> list:
+        """(key, steps) of the moves (group, its unit's stage, direction): that unit one stage along."""
+        return [((g, at, d), ((self._unit(g, at), at + d),)) for g, at, d in named]
 
     def _lowest(self, unit: np.ndarray) -> int:
         """The earliest stage ``unit`` may move to."""
@@ -310,10 +315,8 @@ class ForwardPolish(StageSearch):
     """The forward stages' search state of one placement (see module docstring)."""
 
     def __init__(self, tiles, placement: Placement, *, world_size: int, cost_model: CostModel, sizes: dict):
-        seconds = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"],
-                                        head_dim=sizes["head_dim"]) / cost_model.fwd_rate
-        self._setup(tiles, placement, placement.tile_stage, seconds, world_size=world_size, cost_model=cost_model,
-                    local_groups=False)
+        self._setup(tiles, placement, placement.tile_stage, forward_seconds(tiles, cost_model, sizes),
+                    world_size=world_size, cost_model=cost_model, local_groups=False)
         src, transit_key = self._relays(placement.kv_relay, tiles.num_blocks)
         self._rows(src, transit_key, tiles, sizes)
 
@@ -390,13 +393,29 @@ class ForwardPolish(StageSearch):
             if j < self.S:
                 # r's compute beside exchange j: units starting in stage j + 1 (earlier) or j - 1 (later)
                 for f, d in ((j + 1, -1), (j - 1, 1)):
-                    own = np.flatnonzero((self.g_rank == r) & (self.first == f))
-                    if own.size:
-                        weight = np.array([self.seconds[self._unit(g, f)].sum() for g in own.tolist()])
-                        heaviest = own[np.argsort(-weight, kind="stable")[:POLISH_WIDTH]]
-                        named += [(g, f, d) for g in heaviest.tolist()]
-            out += [((g, at, d), ((self._unit(g, at), at + d),)) for g, at, d in named]
+                    named += [(g, f, d) for g in self._heaviest(r, f, starting=True)]
+            out += self._one_stage(named)
         return out
+
+
+def forward_seconds(tiles, cost_model: CostModel, sizes: dict) -> np.ndarray:
+    """Each tile's forward compute time (planner/cost_model.py; the backward's is ``bwd_flops_factor``
+    times as long)."""
+    return cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"],
+                                 head_dim=sizes["head_dim"]) / cost_model.fwd_rate
+
+
+def staged_time(rank: np.ndarray, seconds: np.ndarray, stage: np.ndarray, stage_bwd: np.ndarray, comm: dict, *,
+                world_size: int, num_stages: int, cost_model: CostModel) -> float:
+    """Simulated step time (slowest rank's forward + slowest rank's backward) of tiles on ``rank`` with
+    forward ``seconds``, in forward ``stage`` / backward ``stage_bwd``, beside ``comm`` (``staged_comm``)."""
+    P, S = world_size, num_stages
+
+    def per_stage(st):
+        return np.bincount(rank * S + st, weights=seconds, minlength=P * S).reshape(P, S)
+
+    fwd, bwd = cost_model.step_times(per_stage(stage), comm["fwd"], comm["bwd"], per_stage(stage_bwd))
+    return float(fwd.max() + bwd.max())
 
 
 def staged_comm(tiles, placement: Placement, stage: np.ndarray, stage_bwd: np.ndarray, *, world_size: int,
@@ -434,17 +453,13 @@ def polish_forward(tiles, placement: Placement, *, world_size: int, cost_model: 
     spread = spread_own_rows(stage, seconds, rank, movable, comm["fwd"], world_size=world_size, num_stages=S)
     spread = spread_local_tiles(spread, seconds * cost_model.fwd_rate, rank, local, comm["fwd"],
                                 world_size=world_size, num_stages=S, fwd_rate=cost_model.fwd_rate)
-
-    def per_stage(st):
-        return np.bincount(rank * S + st, weights=seconds, minlength=world_size * S).reshape(world_size, S)
-
-    backward = cost_model.overlapped_time(per_stage(stage_bwd) * cost_model.bwd_flops_factor, comm["bwd"]).max()
     best = placement
     for staged in (stage, spread):
         # (a stage left empty would be renumbered away from the backward's by make_plan's compaction)
         if compact_stages(staged)[1] != S:
             continue
-        sim_time = float(cost_model.overlapped_time(per_stage(staged), comm["fwd"]).max() + backward)
+        sim_time = staged_time(rank, seconds, staged, stage_bwd, comm, world_size=world_size, num_stages=S,
+                               cost_model=cost_model)
         if sim_time < best.sim_time:
             best = replace(placement, tile_stage=staged.copy(), schedule=sched, sim_time=sim_time)
     return best

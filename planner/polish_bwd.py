@@ -45,7 +45,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement
-from .polish import StageSearch, staged_comm
+from .polish import StageSearch, forward_seconds, staged_comm, staged_time
 from .schedule import KIND_DKV, KIND_DO, KIND_DQ, dkv_routes, payload_bytes
 
 
@@ -55,8 +55,7 @@ class BackwardPolish(StageSearch):
     switched off while no child sends through it)."""
 
     def __init__(self, tiles, placement: Placement, *, world_size: int, cost_model: CostModel, sizes: dict):
-        seconds = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
-        seconds = seconds / cost_model.fwd_rate * cost_model.bwd_flops_factor
+        seconds = forward_seconds(tiles, cost_model, sizes) * cost_model.bwd_flops_factor
         self._setup(tiles, placement, placement.tile_stage_bwd, seconds, world_size=world_size,
                     cost_model=cost_model, local_groups=True)
         self.remote_q = self.home[tiles.q] != self.rank
@@ -153,7 +152,7 @@ class BackwardPolish(StageSearch):
                 # or from any stage with compute to spare
                 out += [(("fill", g, f, j), ((self._unit(g, f), j),)) for f in self._slack(r, j)
                         for g in self._heaviest(r, f)]
-            out += [((g, at, d), ((self._unit(g, at), at + d),)) for g, at, d in named]
+            out += self._one_stage(named)
         return out
 
     def _senders(self, row: int) -> np.ndarray:
@@ -196,17 +195,11 @@ def polish_backward(tiles, placement: Placement, *, world_size: int, cost_model:
     search = BackwardPolish(tiles, placement, world_size=world_size, cost_model=cost_model, sizes=sizes)
     if not search.run():
         return placement
-    S, rank = search.S, search.rank
     stage = np.asarray(placement.tile_stage, dtype=np.int64)
     sched, comm = staged_comm(tiles, placement, stage, search.stage, world_size=world_size, cost_model=cost_model,
                               sizes=sizes)
-    forward_seconds = search.seconds / cost_model.bwd_flops_factor
-
-    def per_stage(st):
-        return np.bincount(rank * S + st, weights=forward_seconds, minlength=world_size * S).reshape(world_size, S)
-
-    fwd, bwd = cost_model.step_times(per_stage(stage), comm["fwd"], comm["bwd"], per_stage(search.stage))
-    sim_time = float(fwd.max() + bwd.max())
+    sim_time = staged_time(search.rank, forward_seconds(tiles, cost_model, sizes), stage, search.stage, comm,
+                           world_size=world_size, num_stages=search.S, cost_model=cost_model)
     if sim_time >= placement.sim_time:
         return placement
     return replace(placement, tile_stage_bwd=search.stage.copy(), schedule=sched, sim_time=sim_time)
