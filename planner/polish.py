@@ -44,9 +44,11 @@ POLISH_ROUNDS = 120
 POLISH_EXCHANGES = 2  # the slowest rank's most exposed exchanges looked at per round
 POLISH_WIDTH = 4  # candidate units per exchange and kind (rows by bytes, own units by compute)
 POLISH_TOP = 4  # tie-break: the sum of this many slowest ranks' times
-# Ranks whose moves a round tries, slowest first, while none of them has one. Measured on the backward
-# (held-out 32 / 8): 1 -> 1.1548, 2 -> 1.1516 for ~10% more planning, 4 -> 1.150 for ~30%.
-POLISH_LOOK = 1
+# Ranks whose moves a round tries, slowest first, while none of them has one (a move of the next
+# slowest must still not slow the slowest). Measured with both polishes (held-out 32 / 8, seed 1):
+# 1 -> 1.1512, 2 -> 1.1460, 4 -> 1.1427; planning at 32 / 8 +11% / +39% over 1 (2 costs what 1 did
+# before undo became a journal: 97 s for those 21 plans).
+POLISH_LOOK = 2
 
 
 class StageSearch:
@@ -66,6 +68,7 @@ class StageSearch:
         self.rank = np.asarray(placement.tile_rank, dtype=np.int64)
         self.stage = np.asarray(stage, dtype=np.int64).copy()
         self.seconds = seconds
+        self._journal = None  # where _shift records old values for undo (None: not recording)
         self._groups(tiles, local_groups)
         P, S = self.P, self.S
         self.compute = np.bincount(self.rank * S + self.stage, weights=self.seconds, minlength=P * S).reshape(P, S)
@@ -174,21 +177,31 @@ class StageSearch:
         """Overlapped time of ``ranks`` in this direction from the current loads and compute."""
         return self.cost_model.overlapped_time(self.compute[ranks], self._comm(ranks))
 
-    def _shift(self, tiles: np.ndarray, to) -> np.ndarray:
-        """Move ``tiles`` (of one rank) to stage(s) ``to``; every derived quantity follows. Returns the
-        groups whose first stage changed."""
+    def _save(self, name: str, index) -> None:
+        """Record ``name[index]``'s values in the open journal (``_shift``), for ``undo``."""
+        if self._journal is not None:
+            self._journal.append((name, index, getattr(self, name)[index].copy()))
+
+    def _shift(self, tiles: np.ndarray, to, journal: list | None = None) -> np.ndarray:
+        """Move ``tiles`` (of one rank) to stage(s) ``to``; every derived quantity follows, the old values
+        recorded in ``journal`` (None: not recorded). Returns the groups whose first stage changed."""
+        self._journal = journal
         old = self.stage[tiles]
+        self._save("stage", tiles)
         self.stage[tiles] = to
         new = self.stage[tiles]
         r = int(self.rank[tiles[0]])
         seconds = self.seconds[tiles]
+        self._save("compute", r)
         np.add.at(self.compute[r], np.concatenate([old, new]), np.concatenate([-seconds, seconds]))
         g = np.concatenate([groups[tiles] for groups in self.tile_groups])
         keep = g >= 0
         n = len(self.tile_groups)
         g, o, s = g[keep], np.concatenate([old] * n)[keep], np.concatenate([new] * n)[keep]
-        np.add.at(self.hist, (np.concatenate([g, g]), np.concatenate([o, s])), np.repeat(np.array([-1, 1]), g.size))
         groups = np.unique(g)
+        for name in ("hist", "first", "last"):
+            self._save(name, groups)
+        np.add.at(self.hist, (np.concatenate([g, g]), np.concatenate([o, s])), np.repeat(np.array([-1, 1]), g.size))
         first, last = self._ends(groups)
         moved_first = groups[first != self.first[groups]]
         moved_last = groups[last != self.last[groups]]
@@ -196,21 +209,31 @@ class StageSearch:
         G = self.num_groups
         moved_first = moved_first[moved_first < G]  # (local groups have no rows)
         ranks = np.unique(np.append(self._reroute(moved_first, moved_last[moved_last < G]), r))
+        self._save("time", ranks)
         self.time[ranks] = self._times(ranks)
+        self._journal = None
         return moved_first
 
-    def _move_rows(self, rows: np.ndarray, **columns) -> np.ndarray:
-        """Give ``rows`` new ``columns`` (row_ex, row_dst, row_on: arrays), loads following; returns the
-        ranks at their ends, before and after."""
-        if rows.size == 0:
-            return rows
+    def _move_rows(self, *changes: tuple) -> np.ndarray:
+        """Give each ``(rows, columns)`` of ``changes`` its new columns (row_ex, row_dst, row_on: arrays;
+        the rows of different changes distinct), loads following in one pass; returns the ranks at the
+        rows' ends, before and after."""
+        changes = [(rows, columns) for rows, columns in changes if rows.size]
+        if not changes:
+            return np.zeros(0, dtype=np.int64)
+        rows = np.concatenate([rows for rows, _ in changes])
         ends = [self.row_src[rows], self.row_dst[rows]]
+        for name in ("load", "rows_at"):
+            self._save(name, ...)
+        for name in ("row_ex", "row_dst", "row_on", "row_link"):
+            self._save(name, rows)
         self._add_rows(rows, -1)
-        for name, values in columns.items():
-            getattr(self, name)[rows] = values
-        if "row_dst" in columns:
-            node_of = self.cost_model.topology.node_of
-            self.row_link[rows] = node_of(self.row_src[rows]) != node_of(self.row_dst[rows])
+        node_of = self.cost_model.topology.node_of
+        for moved, columns in changes:
+            for name, values in columns.items():
+                getattr(self, name)[moved] = values
+            if "row_dst" in columns:
+                self.row_link[moved] = node_of(self.row_src[moved]) != node_of(self.row_dst[moved])
         self._add_rows(rows, 1)
         return np.concatenate(ends + [self.row_dst[rows]])
 
@@ -219,10 +242,11 @@ class StageSearch:
         tiles = self.members[self.starts[g]:self.starts[g + 1]]
         return tiles[self.stage[tiles] == stage]
 
-    def undo(self, undo: list) -> None:
-        """Take back the moves ``apply`` recorded, latest first."""
-        for tiles, stage in reversed(undo):
-            self._shift(tiles, stage)
+    def undo(self, journal: list) -> None:
+        """Take back the moves ``apply`` recorded in ``journal``: every value it changed restored, latest
+        first (exactly: no float sums undone)."""
+        for name, index, old in reversed(journal):
+            getattr(self, name)[index] = old
 
     def _score(self) -> tuple[float, float]:
         """(slowest rank's time, sum of the POLISH_TOP slowest)."""
@@ -280,8 +304,8 @@ class StageSearch:
         return [steps for steps in moves.values()
                 if all(tiles.size and self._lowest(tiles) <= to <= self.S - 1 for tiles, to in steps)]
 
-    def _make(self, steps: tuple, undo: list) -> bool:
-        """Apply every step of a move (recorded in ``undo``); False where one cannot be made."""
+    def _make(self, steps: tuple, undo: list | None) -> bool:
+        """Apply every step of a move (recorded in ``undo``, unless None); False where one cannot be made."""
         return all(self.apply(tiles, to, undo) for tiles, to in steps)
 
     def run(self, rounds: int | None = None) -> bool:
@@ -305,7 +329,7 @@ class StageSearch:
             if found is None:
                 break
             best, steps = found
-            if not self._make(steps, []):
+            if not self._make(steps, None):
                 raise AssertionError("a scored move could not be made again")
             changed = True
         return changed
@@ -349,13 +373,12 @@ class ForwardPolish(StageSearch):
         if transit.size:
             rows.append(G + Gq + transit)
             ex.append(np.array([self._transit_exchange(k) for k in transit.tolist()], dtype=np.int64))
-        return self._move_rows(np.concatenate(rows), row_ex=np.concatenate(ex))
+        return self._move_rows((np.concatenate(rows), dict(row_ex=np.concatenate(ex))))
 
-    def apply(self, tiles: np.ndarray, to: int, undo: list, depth: int = 0) -> bool:
-        """Move ``tiles`` to stage ``to`` (recorded in ``undo``) with the relay cascades it needs; False
-        where a relay cannot be kept (the caller undoes)."""
-        undo.append((tiles, self.stage[tiles].copy()))
-        for g in self._shift(tiles, to).tolist():
+    def apply(self, tiles: np.ndarray, to: int, undo: list | None, depth: int = 0) -> bool:
+        """Move ``tiles`` to stage ``to`` (recorded in ``undo``, unless None) with the relay cascades it
+        needs; False where a relay cannot be kept (the caller undoes)."""
+        for g in self._shift(tiles, to, undo).tolist():
             if self.transit_of[g] >= 0 and self.first[g] < 2:
                 return False  # the transit source would receive before exchange 0
             p = self.proxy_of[g]

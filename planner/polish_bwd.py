@@ -97,29 +97,32 @@ class BackwardPolish(StageSearch):
         Gq, G = self.num_q_groups, self.num_groups
         q_first = moved_first[moved_first < Gq]
         q_last, kv_last = moved_last[moved_last < Gq], moved_last[moved_last >= Gq]
-        ranks = [self._move_rows(q_first, row_ex=self.first[q_first] - 1),
-                 self._move_rows(Gq + q_last, row_ex=self.last[q_last] + 1)]
         blocks = self.g_block[kv_last]
         plain = ~self.block_tree[blocks]
-        ranks.append(self._move_rows(Gq + kv_last[plain], row_ex=self.last[kv_last[plain]] + 1))
-        for b in np.unique(blocks[~plain]).tolist():
-            groups, transits = self.block_groups[b], self.block_transits[b]
+        changes = [(q_first, dict(row_ex=self.first[q_first] - 1)),
+                   (Gq + q_last, dict(row_ex=self.last[q_last] + 1)),
+                   (Gq + kv_last[plain], dict(row_ex=self.last[kv_last[plain]] + 1))]
+        trees = np.unique(blocks[~plain]).tolist()
+        if trees:
+            # (kv-group ids ascend with (rank, block), as dkv_routes' lookups need; blocks route independently)
+            groups = np.sort(np.concatenate([self.block_groups[b] for b in trees]))
             dst, stage, transit_rows = dkv_routes(self.home, self.g_rank[groups], self.g_block[groups],
                                                    self.last[groups], self.kv_src[groups - Gq], self.nB, self.S)
-            ranks.append(self._move_rows(Gq + groups, row_dst=dst, row_ex=stage))
+            changes.append((Gq + groups, dict(row_dst=dst, row_ex=stage)))
+            transits = np.sort(np.concatenate([self.block_transits[b] for b in trees]))
             if transits.size:
                 on, ex = self._transit_state(transit_rows, transits)
-                ranks.append(self._move_rows(Gq + G + transits, row_on=on, row_ex=ex))
-        return np.concatenate(ranks)
+                changes.append((Gq + G + transits, dict(row_on=on, row_ex=ex)))
+        return self._move_rows(*changes)
 
     def _lowest(self, unit: np.ndarray) -> int:
         """Tiles of a remote q-block wait for its dO, which travels behind stage 0 at the earliest."""
         return 1 if self.remote_q[unit].any() else 0
 
-    def apply(self, tiles: np.ndarray, to: int, undo: list) -> bool:
-        """Move ``tiles`` to stage ``to`` (recorded in ``undo``); always possible (module docstring)."""
-        undo.append((tiles, self.stage[tiles].copy()))
-        self._shift(tiles, to)
+    def apply(self, tiles: np.ndarray, to: int, undo: list | None) -> bool:
+        """Move ``tiles`` to stage ``to`` (recorded in ``undo``, unless None); always possible (module
+        docstring)."""
+        self._shift(tiles, to, undo)
         return True
 
     def _candidates(self, r: int) -> list:
