@@ -318,7 +318,9 @@ class Balancer:
 
     def _shed_rectangles(self, r: int, mine: np.ndarray) -> None:
         """Rectangles of r's tiles to the least loaded ranks, same node first. A failed move means
-        more loaded targets of the same class (same node / other node) would fail too."""
+        more loaded targets of the same class (same node / other node) would fail too - except on one
+        node, where a target may fail for its own transfers (e.g. it homes blocks many ranks read): a
+        more loaded one with less transfer time than every failed one is still tried."""
         under = np.flatnonzero(self.C < self.mean)
         targets = under[self._target_order(under, r)]
         if targets.size == 0 or mine.size == 0:
@@ -328,16 +330,18 @@ class Balancer:
         # tiles by (kv // width, q, kv): ``mine`` is in (q, kv) order, so a stable sort by kv // width
         # alone (a linear radix sort of small ints) gives that order
         rect = mine[_argsort_small_ints(self.t.kv[mine] // width)]
-        failed_class = set()
+        failed = {}  # class -> the least transfer time of its targets that failed
         for t in targets.tolist():
             if self.C[r] <= self.cap:
                 return
             remote = bool(self.node[t] != self.node[r])
-            if remote in failed_class or self.C[t] >= self.cap:
+            if self.C[t] >= self.cap:
+                continue
+            if remote in failed and (self.multi_node or self.comm_time(t) >= failed[remote]):
                 continue
             rect = rect[self.rank[rect] == r]
             if not self.try_move(rect, r, t):
-                failed_class.add(remote)
+                failed[remote] = min(failed.get(remote, np.inf), self.comm_time(t))
 
 
 def balanced_ranks(tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology,
