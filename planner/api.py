@@ -14,7 +14,7 @@ import torch
 
 from . import baselines, dcp, fcp, hypergraph
 from .cost_model import CostModel, Topology
-from .placement import Placement, compact_stages
+from .placement import Placement, compact_stages, positions_by_key
 from .plan import Plan
 from .schedule import as_relay_table, check_plan, derive_schedule
 from .stages import finish_placement
@@ -187,9 +187,7 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
                                    num_stages=num_stages, world_size=world_size, kv_relay=relay,
                                    tile_stage_bwd=stage_bwd)
     as32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
-    order = np.argsort(home, kind="stable")
-    counts = np.bincount(home, minlength=world_size)
-    local = tuple(as32(part) for part in np.split(order, np.cumsum(counts)[:-1]))
+    local = tuple(as32(part) for part in positions_by_key(home, world_size))
     return Plan(
         strategy=strategy, world_size=world_size, total_len=tiles.total_len, block_size=tiles.block_size,
         num_blocks=tiles.num_blocks, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,

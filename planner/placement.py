@@ -68,6 +68,12 @@ def run_heads(key: np.ndarray) -> np.ndarray:
     return heads
 
 
+def positions_by_key(keys: np.ndarray, n: int) -> list:
+    """For each value 0..n-1 of the small ints ``keys``, the positions where ``keys`` holds it, ascending."""
+    order = np.argsort(keys, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(keys, minlength=n))[:-1])
+
+
 def prefix_sums(values: np.ndarray) -> np.ndarray:
     """float64 [n + 1]: 0, then the running sums of ``values`` (``np.r_[0.0, np.cumsum(values)]``)."""
     out = np.empty(values.size + 1, dtype=np.float64)

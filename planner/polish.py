@@ -36,7 +36,7 @@ from dataclasses import replace
 import numpy as np
 
 from .cost_model import CostModel
-from .placement import Placement, compact_stages, run_heads
+from .placement import Placement, compact_stages, positions_by_key, run_heads
 from .schedule import KIND_KV, KIND_OUT, KIND_Q, as_relay_table, derive_schedule, payload_bytes, row_bytes
 from .stages import own_row_movable, spread_local_tiles, spread_own_rows
 
@@ -149,8 +149,7 @@ class StageSearch:
             self.children.setdefault(p, []).append(d)
         transit_key, self.transit_of[receiver[~proxy]] = np.unique(source_key[~proxy], return_inverse=True)
         through = self.transit_of[receiver[~proxy]]
-        self.transit_dsts = np.split(receiver[~proxy][np.argsort(through, kind="stable")],
-                                     np.cumsum(np.bincount(through, minlength=transit_key.size))[:-1])
+        self.transit_dsts = [receiver[~proxy][at] for at in positions_by_key(through, transit_key.size)]
         return src, transit_key
 
     # state updates --------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from dataclasses import replace
 import numpy as np
 
 from .cost_model import CostModel
-from .placement import Placement
+from .placement import Placement, positions_by_key
 from .polish import StageSearch, forward_seconds, staged_comm, staged_time
 from .schedule import KIND_DKV, KIND_DO, KIND_DQ, dkv_routes, payload_bytes
 
@@ -64,8 +64,8 @@ class BackwardPolish(StageSearch):
         self.kv_src, self.nB = src[Gq:G], nB
         # per block: its kv-groups (ascending by rank, as the schedule orders them) and transit ranks
         kv_block = self.g_block[Gq:G]
-        self.block_groups = _split_by(kv_block, nB, Gq)
-        self.block_transits = _split_by(self.transit_key % nB, nB, 0)
+        self.block_groups = [Gq + at for at in positions_by_key(kv_block, nB)]
+        self.block_transits = positions_by_key(self.transit_key % nB, nB)
         self.block_tree = np.zeros(nB, dtype=bool)
         self.block_tree[kv_block[self.kv_src != home[kv_block]]] = True
         T = self.transit_key.size
@@ -182,12 +182,6 @@ class BackwardPolish(StageSearch):
             tiles = self.members[self.starts[g]:self.starts[g + 1]]
             steps.append((tiles[self.stage[tiles] > j - 2], j - 2))
         return tuple((tiles, to) for tiles, to in steps if tiles.size)
-
-
-def _split_by(keys: np.ndarray, n: int, offset: int) -> list:
-    """For each value 0..n-1, the positions (plus ``offset``) where ``keys`` holds it, ascending."""
-    order = np.argsort(keys, kind="stable")
-    return np.split(order + offset, np.cumsum(np.bincount(keys, minlength=n))[:-1])
 
 
 def polish_backward(tiles, placement: Placement, *, world_size: int, cost_model: CostModel, sizes: dict) -> Placement:
