@@ -1,4 +1,4 @@
-"""Hot rows (planner/dcp.py ``dealt_home``, planner/balance.py ``pushed_rows``): q-rows that read far
+"""Hot rows (planner/starts.py ``dealt_home``, planner/balance.py ``pushed_rows``): q-rows that read far
 more KV than the mean row (causal_blockwise's last block reads the whole sequence) are dealt over the
 ranks and nodes, and computed where their KV lives, so their Q blocks and OUT partials leave through
 every rank's links instead of one rank's."""
@@ -13,7 +13,8 @@ from blockattn.masks import MaskSpec
 from blockattn.planner import Topology, make_plan
 from blockattn.planner.balance import Balancer, pushed_rows
 from blockattn.planner.cost_model import CostModel
-from blockattn.planner.dcp import _balanced, _lower_bound, _scored, dcp, dealt_home, hot_rows
+from blockattn.planner.dcp import _balanced, _lower_bound, _scored, dcp
+from blockattn.planner.starts import dealt_home, hot_rows
 from blockattn.planner.placement import balanced_bounds
 from blockattn.planner.schedule import KIND_KV, KIND_OUT, KIND_Q, payload_bytes
 from blockattn.planner.tiles import TileSet

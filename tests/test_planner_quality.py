@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from blockattn.masks import MaskSpec
 from blockattn.planner import CostModel, Topology, clear_plan_cache, make_plan
+from blockattn.planner import starts as starts_module
 from blockattn.planner.schedule import KIND_KV, payload_bytes
 
 from batches import long_tail_docs
@@ -254,7 +255,7 @@ def test_kv_read_across_counts_each_block_crossing_a_cut_once(lens, block, kind)
 def test_node_packing_splits_a_heavy_document_only_when_the_link_pays(inter_bw, split):
     # one causal document ~1.2 nodes' share of compute among 1K-token documents, 4 nodes of 2 ranks:
     # splitting it evens the nodes out but sends the KV before the cut over the inter-node link
-    from blockattn.planner.dcp import hierarchical_home
+    from blockattn.planner.starts import hierarchical_home
     from blockattn.planner.tiles import TileSet
 
     docs = [4096] + [1024] * 37
@@ -903,7 +904,7 @@ def test_balanced_ranks_skips_only_a_balancer_that_would_move_nothing(lens, worl
     """``balanced_ranks`` (dcp's entry to the Balancer) gives the Balancer's tile ranks on any batch:
     where the start is already within the cap, without building it."""
     from blockattn.planner.balance import Balancer, balanced_ranks
-    from blockattn.planner.dcp import contiguous_cut_home
+    from blockattn.planner.starts import contiguous_cut_home
     from blockattn.planner.tiles import TileSet
 
     tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(64))
@@ -1395,7 +1396,7 @@ def test_spread_read_blocks_deals_a_nodes_read_blocks_over_its_ranks(world_size,
     topo = Topology(ranks_per_node=ranks_per_node)
     sizes = dict(element_size=2, grad_element_size=4, **HEADS)
     home = dcp_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
-    spread = dcp_module.spread_read_blocks(tiles, home, topo)
+    spread = starts_module.spread_read_blocks(tiles, home, topo)
     assert np.array_equal(np.bincount(spread, minlength=world_size), np.bincount(home, minlength=world_size))
     node = home // ranks_per_node
     assert np.array_equal(spread // ranks_per_node, node)
@@ -1428,7 +1429,7 @@ def test_deal_heavy_pieces_deals_only_the_pieces_heavier_than_a_rank(world_size,
     topo = Topology(ranks_per_node=ranks_per_node)
     sizes = dict(element_size=2, grad_element_size=4, **HEADS)
     home = dcp_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
-    dealt = dcp_module.deal_heavy_pieces(tiles, home, world_size, topo)
+    dealt = starts_module.deal_heavy_pieces(tiles, home, world_size, topo)
     assert np.array_equal(np.bincount(dealt, minlength=world_size), np.bincount(home, minlength=world_size))
     node = home // ranks_per_node
     assert np.array_equal(dealt // ranks_per_node, node)
@@ -1452,7 +1453,7 @@ def test_deal_heavy_pieces_deals_only_the_pieces_heavier_than_a_rank(world_size,
     # short documents only (each lighter than a rank's share): nothing is dealt
     tiles = TileSet.from_block_mask(MaskSpec.documents([700] * 40).block_mask(128))
     home = dcp_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
-    assert np.array_equal(dcp_module.deal_heavy_pieces(tiles, home, world_size, topo), home)
+    assert np.array_equal(starts_module.deal_heavy_pieces(tiles, home, world_size, topo), home)
 
 
 @given(lens=st.lists(st.integers(1, 20_000), min_size=1, max_size=10), world_size=st.integers(2, 12),
@@ -1470,7 +1471,7 @@ def test_deal_heavy_pieces_keeps_memory_and_nodes_and_spreads_every_heavy_piece(
     topo = Topology(ranks_per_node=ranks_per_node)
     sizes = dict(element_size=2, grad_element_size=4, **HEADS)
     home = dcp_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
-    dealt = dcp_module.deal_heavy_pieces(tiles, home, world_size, topo)
+    dealt = starts_module.deal_heavy_pieces(tiles, home, world_size, topo)
     assert np.array_equal(np.bincount(dealt, minlength=world_size), np.bincount(home, minlength=world_size))
     assert np.array_equal(dealt // ranks_per_node, home // ranks_per_node)
     bounds = segments(tiles, documents=True)
@@ -1481,7 +1482,7 @@ def test_deal_heavy_pieces_keeps_memory_and_nodes_and_spreads_every_heavy_piece(
     any_heavy = False
     for s, n in set(zip(segment.tolist(), node.tolist())):
         piece = (segment == s) & (node == n)
-        if row[piece].sum() <= dcp_module.DEAL_PIECE_FROM * share:
+        if row[piece].sum() <= starts_module.DEAL_PIECE_FROM * share:
             continue
         any_heavy = True
         with_room = np.count_nonzero(np.bincount(home[node == n], minlength=world_size))
@@ -1494,7 +1495,7 @@ def test_deal_blocks_by_hand():
     """``deal_blocks`` (the spread pass's first-exchange start): the marked blocks of each node dealt
     round-robin over its ranks, lowest rank first; the others stay home while their rank has room, the
     overflow filling the others' room in block order. Block counts per rank and nodes are kept."""
-    from blockattn.planner.dcp import deal_blocks
+    from blockattn.planner.starts import deal_blocks
 
     topo = Topology(ranks_per_node=2)
     #           node 0: ranks 0, 1                 node 1: ranks 2, 3
