@@ -217,3 +217,39 @@ def test_the_runner_up_is_polished_too_and_kept_where_it_ends_faster(monkeypatch
     stats = plan.stats()
     assert stats["sim_time_fwd"] + stats["sim_time_bwd"] == pytest.approx(min(out for _, out in polished), rel=1e-12)
     assert min(out for _, out in polished) == runner_out
+
+
+def test_a_plan_turned_down_for_its_bytes_is_polished_too_and_kept_where_it_then_wins_by_the_bytes_rule(monkeypatch):
+    # 8 ranks on 2 nodes, 32K tokens of long-tail documents: the deal pass finds a faster plan that moves
+    # too many more bytes for its gain (``_worth_its_bytes``); polished, it beats the polished kept plan by
+    # enough (1.218 -> 1.121x the bound), and dcp keeps it
+    import blockattn.planner.dcp as dcp_module
+
+    spec = MaskSpec.documents(long_tail_docs(3, 32768))
+    topology = Topology(ranks_per_node=4)
+    worth = []
+    original = dcp_module._worth_its_bytes
+
+    def recording(tiles, alt, result, sizes):
+        out = original(tiles, alt, result, sizes)
+        worth.append(out)
+        return out
+
+    def step(plan):
+        stats = plan.stats()
+        return stats["sim_time_fwd"] + stats["sim_time_bwd"], stats["bytes_fwd"] + stats["bytes_bwd"]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dcp_module, "POLISH_BYTES_REJECTED", False)
+        clear_plan_cache()
+        without, without_bytes = step(make_plan(spec, 8, block_size=64, topology=topology, check=True, **HEADS))
+    monkeypatch.setattr(dcp_module, "_worth_its_bytes", recording)
+    clear_plan_cache()
+    plan = make_plan(spec, 8, block_size=64, topology=topology, check=True, **HEADS)
+    clear_plan_cache()
+    time, nbytes = step(plan)
+    assert worth[0] is False and worth[-1] is True  # turned down in the deal pass, kept after the polish
+    assert time < 0.95 * without
+    # it moves more bytes (1.20x), and gains more than the bytes rule asks for them (8% against 2.4%)
+    assert nbytes > without_bytes
+    assert 1 - time / without > (dcp_module.BYTES_SLACK - 1) * nbytes / without_bytes
