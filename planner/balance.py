@@ -41,6 +41,14 @@ stages leave its first inputs and last partials exposed, and rarely split C and 
 whose transfers about equal its compute still sheds compute, and a target is not filled up to where its
 transfers catch up with it. dcp re-plans its slowest multi-node plans with it (planner/dcp.py
 REPLAN_OVERLAP).
+
+``duplex`` counts a rank's transfers on each link as the busier of its sends and its receives, as the
+cost model prices an exchange, instead of their sum. The sum is right for a donor's shed rows (the Q
+leaves in an early exchange, the OUT comes back in the last) but not for a home whose KV many ranks
+read while it reads others' KV in the same exchanges: on 32 ranks of one node, the homes of a long
+document's first blocks sat at max(C, X) = X ~ C with 1.13x the mean compute, where the duplex view
+lets them shed it (1.02x). Neither view wins everywhere; dcp re-plans its slow plans with it too
+(planner/dcp.py REPLAN_DUPLEX).
 """
 
 from __future__ import annotations
@@ -65,7 +73,7 @@ class Balancer:
     def __init__(self, tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology, *,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, grad_element_size: int = 4,
                  relay_aware: bool = False, spread_sends: bool = False, start: np.ndarray | None = None,
-                 overlap: float = 0.0):
+                 overlap: float = 0.0, duplex: bool = False):
         P, nB = world_size, tiles.num_blocks
         self.t, self.home, self.c, self.P, self.nB = tiles, home, compute, P, nB
         self.node = topology.node_of(np.arange(P))
@@ -74,6 +82,7 @@ class Balancer:
         self.relay_aware = relay_aware and self.multi_node
         self.spread_sends = spread_sends and self.relay_aware
         self.overlap = float(overlap)
+        self.duplex = bool(duplex)
         lens = tiles.block_lengths()
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                      grad_element_size=grad_element_size)
@@ -156,7 +165,52 @@ class Balancer:
         return key // self.nB, key % self.nB
 
     def comm_time(self, r: int) -> float:
+        if self.duplex:
+            return float((np.maximum(self.send[r], self.recv[r]) / self.bw).max())
         return float(((self.send[r] + self.recv[r]) / self.bw).max())
+
+    def _move_comm(self, cand: np.ndarray, r: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """([k], [k]): the comm times of donor r and target t after moving each prefix of ``cand`` (tiles
+        on r) to t. A prefix adds Q into t and OUT back from t per new q-block (both on the q-home's link,
+        and both the donor's own where it is that home), KV into t per new kv-block (with ``duplex`` also
+        a send of the donor's where it is that block's home; the summed view leaves it out)."""
+        q, kv = self.t.q[cand], self.t.kv[cand]
+        hq = self.home[q]
+        first_q = first_occurrence(q, self._scratch)
+        q_in = np.where(first_q & ~self.have_q[t, q], self.q_bytes[q], 0.0)
+        out_back = np.where(first_q & (hq != t) & ~self.has_out[t, q], self.out_bytes[q], 0.0)
+        kv_in = np.where(first_occurrence(kv, self._scratch) & ~self.have_kv[t, kv], self.kv_bytes[kv], 0.0)
+        lq = lkv = None
+        if self.multi_node:
+            lq, lkv = self._link(hq, t), self._link(self.home[kv], t)
+            if self.relay_aware:
+                lkv = lkv & (self.node_kv[self.node[t], kv] < 0)  # held on t's node: relayed over NVLink
+        q_of_r = hq == r
+        if not self.duplex:
+            q_out = q_in + out_back
+            return (self._prefix_comm(r, np.where(q_of_r, q_out, 0.0), lq),
+                    self._prefix_comm(t, q_out, lq, kv_in, lkv))
+        kv_of_r = self.home[kv] == r
+        return (self._prefix_duplex(r, [(np.where(q_of_r, q_in, 0.0), lq), (np.where(kv_of_r, kv_in, 0.0), lkv)],
+                                    [(np.where(q_of_r, out_back, 0.0), lq)]),
+                self._prefix_duplex(t, [(out_back, lq)], [(q_in, lq), (kv_in, lkv)]))
+
+    def _prefix_duplex(self, r: int, sends: list, recvs: list) -> np.ndarray:
+        """``_prefix_comm`` with ``duplex``: [k] comm time of rank r after each prefix of a move whose
+        (bytes [k], link [k] or None for one node) entries add to its sends and its receives, each link
+        taking its busier direction."""
+        k = sends[0][0].size
+        out = np.zeros(k)
+        for link in ((0,) if not self.multi_node else (0, 1)):
+            busiest = None
+            for base, parts in ((self.send[r, link], sends), (self.recv[r, link], recvs)):
+                total = np.zeros(k)
+                for moved, lk in parts:
+                    total += moved if lk is None else np.where(lk == link, moved, 0.0)
+                cum = base + np.cumsum(total)
+                busiest = cum if busiest is None else np.maximum(busiest, cum)
+            out = np.maximum(out, busiest / self.bw[link])
+        return out
 
     def _estimate(self, compute, comm):
         """A rank's time as the balancer weighs it: max(C, X), plus ``overlap`` x min(C, X) (the part of
@@ -193,21 +247,7 @@ class Balancer:
             k_max += 1  # allow the tile that crosses the amount; the objective decides
         k_max = min(k_max, MAX_MOVE_TILES)
         cand, cum_c = cand[:k_max], cum_c[:k_max]
-        q, kv = self.t.q[cand], self.t.kv[cand]
-        hq = self.home[q]
-        first_q = first_occurrence(q, self._scratch)
-        # bytes each prefix adds: Q into t and OUT back from t per new q-block (both on the q-home's
-        # link, and both the donor's own where it is that home), KV into t per new kv-block
-        q_out = (np.where(first_q & ~self.have_q[t, q], self.q_bytes[q], 0.0)
-                 + np.where(first_q & (hq != t) & ~self.has_out[t, q], self.out_bytes[q], 0.0))
-        kv_in = np.where(first_occurrence(kv, self._scratch) & ~self.have_kv[t, kv], self.kv_bytes[kv], 0.0)
-        lq = lkv = None
-        if self.multi_node:
-            lq, lkv = self._link(hq, t), self._link(self.home[kv], t)
-            if self.relay_aware:
-                lkv = lkv & (self.node_kv[self.node[t], kv] < 0)  # held on t's node: relayed over NVLink
-        comm_r = self._prefix_comm(r, np.where(hq == r, q_out, 0.0), lq)
-        comm_t = self._prefix_comm(t, q_out, lq, kv_in, lkv)
+        comm_r, comm_t = self._move_comm(cand, r, t)
         load_t = self.C[t] + cum_c
         estimate_t = self._estimate(load_t, comm_t)
         time_t = estimate_t if self.overlap == 0.0 else np.maximum(load_t, comm_t)

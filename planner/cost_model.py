@@ -80,6 +80,9 @@ class CostModel:
     # balance_overlap * min(compute, transfers) (planner/balance.py ``overlap``), where the staged
     # model above is too costly to evaluate per candidate move.
     balance_overlap: float = 0.0
+    # ... and with balance_duplex, a rank's transfers as each link's busier direction (sends or receives)
+    # instead of their sum (planner/balance.py ``duplex``).
+    balance_duplex: bool = False
 
     def tile_flops(self, pairs, *, num_q_heads: int, head_dim: int) -> np.ndarray:
         """Forward FLOPs of tiles with ``pairs`` unmasked (q, k) pairs."""

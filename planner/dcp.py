@@ -79,8 +79,9 @@ no one home carries the Q and OUT transfers of shedding its rows (kept where fas
 it adds cost, ``_worth_its_bytes``). A plan still ``REPLAN_FROM``
 times the bound (``REPLAN_FROM_ONE_NODE`` on one node) is planned once more from the start with every
 balancer estimating a rank's time as max(compute, transfers) + ``REPLAN_OVERLAP`` x min(compute,
-transfers), so that a donor whose transfers about equal its compute still sheds compute; the faster
-of the two plans is kept.
+transfers), so that a donor whose transfers about equal its compute still sheds compute, and once more
+with every balancer taking a rank's transfers on a link as the busier of its sends and receives
+(``REPLAN_DUPLEX``: a home that many ranks read while it reads others' KV); the fastest plan is kept.
 """
 
 from __future__ import annotations
@@ -231,6 +232,19 @@ SPREAD_PASS = True
 REPLAN_FROM = 1.25
 REPLAN_FROM_ONE_NODE = 1.05
 REPLAN_OVERLAP = 0.5
+# ... and a second time with every balancer taking a rank's transfers on a link as the busier of its sends
+# and receives instead of their sum (``CostModel.balance_duplex``, planner/balance.py ``duplex``), the
+# fastest of the three plans kept. On one node a long document's first blocks are read by every rank
+# holding its later rows while their homes read others' KV in the same exchanges: summed, their
+# transfers equal their compute and they stop shedding it (32 ranks on one NVLink domain, a Wikipedia
+# causal batch with a 15K-token document: compute 1.13x the mean, 1.173x the bound; duplex 1.02x,
+# 1.115x). Balancing every plan that way loses as often as it wins (seed 0: 22 of 105 plans faster, 22
+# slower, 32 / 8 1.1063 -> 1.1292). As a re-plan, none of the three draws' plans slower: 32 (32) 15 of
+# 63 faster (seed 1 1.0450 -> 1.0389, max 1.173 -> 1.115; seed 777 1.0394 -> 1.0364; seed 0 1.0382 ->
+# 1.0381); 16 / 4 and 32 / 8 (seeds 1, 777) 2 of 84 faster (the worst seed-777 plan 1.358 -> 1.302);
+# planning +45% on the 32 (32) cases, +20% on 32 / 8; no 8-rank plan and none of the six 1M / 64 plans
+# is slow enough to be re-planned.
+REPLAN_DUPLEX = True
 # The kept plan's forward stages are polished by planner/polish.py (a local search on the slowest rank's
 # exposed exchanges); on one node only from this many times the bound, as below it the polish costs
 # about as long as planning a 128K batch on 8 ranks (1-26 ms) for gains under 0.1%.
@@ -297,7 +311,8 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     node's ranks (``_spread_homes``), in rounds (``_nic_passes``); then (one node too, from DEAL_PASS_FROM x
     the bound) against homes with each node's heavy document pieces dealt over its ranks (``_deal_pass``).
     A plan still slower than REPLAN_FROM x the bound (REPLAN_FROM_ONE_NODE on one node) is planned again
-    with every balancer weighing exposed transfers (REPLAN_OVERLAP), the faster plan kept. Last (``polish``),
+    with every balancer weighing exposed transfers (REPLAN_OVERLAP), and again with every balancer taking
+    a link's busier direction for a rank's transfers (REPLAN_DUPLEX), the fastest plan kept. Last (``polish``),
     the kept plan (on one node one over POLISH_FROM_ONE_NODE x the bound) has its forward, then backward
     stages polished by a local search (planner/polish.py, planner/polish_bwd.py), where faster, and so has
     the best plan the passes beat if within POLISH_RUNNER_UP of it, and the deal pass's fastest plan that
@@ -325,7 +340,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
             beaten.append(before)
     replan_from = REPLAN_FROM if multi_node else REPLAN_FROM_ONE_NODE
     replan = (init is None and world_size > 1 and result.sim_time > replan_from * bound
-              and cost_model.balance_overlap == 0)
+              and cost_model.balance_overlap == 0 and not cost_model.balance_duplex)
     if polish and init is None and (multi_node or result.sim_time > POLISH_FROM_ONE_NODE * bound):
         # last, on the kept plan and the runner-up (every choice above compares plans as staged); the
         # re-plan below is decided on the time before it, and its plan is polished too
@@ -339,10 +354,14 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
                 result = alt
     if replan:
         # planned again from the start with the balancer weighing exposed transfers (REPLAN_OVERLAP)
-        again = dcp(tiles, world_size, cost_model=replace(cost_model, balance_overlap=REPLAN_OVERLAP),
-                    max_stages=max_stages, polish=polish, **sizes)
-        if again.sim_time < result.sim_time:
-            result = again
+        estimates = [dict(balance_overlap=REPLAN_OVERLAP)]
+        if REPLAN_DUPLEX:
+            estimates.append(dict(balance_duplex=True))
+        for estimate in estimates:
+            again = dcp(tiles, world_size, cost_model=replace(cost_model, **estimate), max_stages=max_stages,
+                        polish=polish, **sizes)
+            if again.sim_time < result.sim_time:
+                result = again
     return result
 
 
@@ -956,6 +975,7 @@ def _balanced(tiles: TileSet, world_size: int, init: str | None, cost_model: Cos
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
     rank = balanced_ranks(tiles, home, flops / cost_model.fwd_rate, world_size, topology, start=start,
                           relay_aware=relay_aware, spread_sends=spread_sends, overlap=cost_model.balance_overlap,
+                          duplex=cost_model.balance_duplex,
                           **sizes)
     return home, rank
 
