@@ -47,8 +47,8 @@ cost model prices an exchange, instead of their sum. The sum is right for a dono
 leaves in an early exchange, the OUT comes back in the last) but not for a home whose KV many ranks
 read while it reads others' KV in the same exchanges: on 32 ranks of one node, the homes of a long
 document's first blocks sat at max(C, X) = X ~ C with 1.13x the mean compute, where the duplex view
-lets them shed it (1.02x). Neither view wins everywhere; dcp re-plans its slow plans with it too
-(planner/dcp.py REPLAN_DUPLEX).
+lets them shed it (1.02x). Neither view wins everywhere; dcp re-plans its slow one-node plans with it
+too (planner/dcp.py REPLAN_DUPLEX).
 """
 
 from __future__ import annotations

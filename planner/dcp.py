@@ -79,9 +79,10 @@ no one home carries the Q and OUT transfers of shedding its rows (kept where fas
 it adds cost, ``_worth_its_bytes``). A plan still ``REPLAN_FROM``
 times the bound (``REPLAN_FROM_ONE_NODE`` on one node) is planned once more from the start with every
 balancer estimating a rank's time as max(compute, transfers) + ``REPLAN_OVERLAP`` x min(compute,
-transfers), so that a donor whose transfers about equal its compute still sheds compute, and once more
-with every balancer taking a rank's transfers on a link as the busier of its sends and receives
-(``REPLAN_DUPLEX``: a home that many ranks read while it reads others' KV); the fastest plan is kept.
+transfers), so that a donor whose transfers about equal its compute still sheds compute, and on one node
+once more with every balancer taking a rank's transfers on a link as the busier of its sends and receives
+(``REPLAN_DUPLEX``: a home that many ranks read while it reads others' KV; kept only where worth its
+bytes); the fastest plan is kept.
 """
 
 from __future__ import annotations
@@ -232,18 +233,18 @@ SPREAD_PASS = True
 REPLAN_FROM = 1.25
 REPLAN_FROM_ONE_NODE = 1.05
 REPLAN_OVERLAP = 0.5
-# ... and a second time with every balancer taking a rank's transfers on a link as the busier of its sends
-# and receives instead of their sum (``CostModel.balance_duplex``, planner/balance.py ``duplex``), the
-# fastest of the three plans kept. On one node a long document's first blocks are read by every rank
-# holding its later rows while their homes read others' KV in the same exchanges: summed, their
+# ... and on one node a second time with every balancer taking a rank's transfers on a link as the busier of
+# its sends and receives instead of their sum (``CostModel.balance_duplex``, planner/balance.py ``duplex``),
+# kept where faster and worth its bytes (``_worth_its_bytes``). A long document's first blocks are read by
+# every rank holding its later rows while their homes read others' KV in the same exchanges: summed, their
 # transfers equal their compute and they stop shedding it (32 ranks on one NVLink domain, a Wikipedia
 # causal batch with a 15K-token document: compute 1.13x the mean, 1.173x the bound; duplex 1.02x,
 # 1.115x). Balancing every plan that way loses as often as it wins (seed 0: 22 of 105 plans faster, 22
-# slower, 32 / 8 1.1063 -> 1.1292). As a re-plan, none of the three draws' plans slower: 32 (32) 15 of
-# 63 faster (seed 1 1.0450 -> 1.0389, max 1.173 -> 1.115; seed 777 1.0394 -> 1.0364; seed 0 1.0382 ->
-# 1.0381); 16 / 4 and 32 / 8 (seeds 1, 777) 2 of 84 faster (the worst seed-777 plan 1.358 -> 1.302);
-# planning +45% on the 32 (32) cases, +20% on 32 / 8; no 8-rank plan and none of the six 1M / 64 plans
-# is slow enough to be re-planned.
+# slower, 32 / 8 1.1063 -> 1.1292). As a re-plan, 32 (32): seed 1 1.0450 -> 1.0390 (max 1.173 -> 1.115),
+# seed 777 1.0394 -> 1.0375, seed 0 unchanged, none slower, planning +40-47% on those cases; without the
+# bytes rule also causal_blockwise 1.0268 -> 1.0262 for ~3.5x its bytes. On several nodes (from
+# REPLAN_FROM) measured and not taken: 1 of 84 plans faster (1.358 -> 1.302) for +24-28% planning at
+# 32 / 8. No 8-rank plan of the three draws is slow enough to be re-planned.
 REPLAN_DUPLEX = True
 # The kept plan's forward stages are polished by planner/polish.py (a local search on the slowest rank's
 # exposed exchanges); on one node only from this many times the bound, as below it the polish costs
@@ -311,8 +312,9 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     node's ranks (``_spread_homes``), in rounds (``_nic_passes``); then (one node too, from DEAL_PASS_FROM x
     the bound) against homes with each node's heavy document pieces dealt over its ranks (``_deal_pass``).
     A plan still slower than REPLAN_FROM x the bound (REPLAN_FROM_ONE_NODE on one node) is planned again
-    with every balancer weighing exposed transfers (REPLAN_OVERLAP), and again with every balancer taking
-    a link's busier direction for a rank's transfers (REPLAN_DUPLEX), the fastest plan kept. Last (``polish``),
+    with every balancer weighing exposed transfers (REPLAN_OVERLAP), and on one node again with every
+    balancer taking a link's busier direction for a rank's transfers (REPLAN_DUPLEX, where worth its
+    bytes), the fastest plan kept. Last (``polish``),
     the kept plan (on one node one over POLISH_FROM_ONE_NODE x the bound) has its forward, then backward
     stages polished by a local search (planner/polish.py, planner/polish_bwd.py), where faster, and so has
     the best plan the passes beat if within POLISH_RUNNER_UP of it, and the deal pass's fastest plan that
@@ -354,13 +356,15 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
                 result = alt
     if replan:
         # planned again from the start with the balancer weighing exposed transfers (REPLAN_OVERLAP)
-        estimates = [dict(balance_overlap=REPLAN_OVERLAP)]
-        if REPLAN_DUPLEX:
-            estimates.append(dict(balance_duplex=True))
-        for estimate in estimates:
-            again = dcp(tiles, world_size, cost_model=replace(cost_model, **estimate), max_stages=max_stages,
-                        polish=polish, **sizes)
-            if again.sim_time < result.sim_time:
+        again = dcp(tiles, world_size, cost_model=replace(cost_model, balance_overlap=REPLAN_OVERLAP),
+                    max_stages=max_stages, polish=polish, **sizes)
+        if again.sim_time < result.sim_time:
+            result = again
+        if REPLAN_DUPLEX and not multi_node:
+            # kept by the bytes rule too: the duplex view spreads the compute of blocks many ranks read
+            again = dcp(tiles, world_size, cost_model=replace(cost_model, balance_duplex=True),
+                        max_stages=max_stages, polish=polish, **sizes)
+            if again.sim_time < result.sim_time and _worth_its_bytes(tiles, again, result, sizes):
                 result = again
     return result
 
