@@ -242,9 +242,11 @@ REPLAN_OVERLAP = 0.5
 # 1.115x). Balancing every plan that way loses as often as it wins (seed 0: 22 of 105 plans faster, 22
 # slower, 32 / 8 1.1063 -> 1.1292). As a re-plan, 32 (32): seed 1 1.0450 -> 1.0390 (max 1.173 -> 1.115),
 # seed 777 1.0394 -> 1.0375, seed 0 unchanged, none slower, planning +40-47% on those cases; without the
-# bytes rule also causal_blockwise 1.0268 -> 1.0262 for ~3.5x its bytes. On several nodes (from
-# REPLAN_FROM) measured and not taken: 1 of 84 plans faster (1.358 -> 1.302) for +24-28% planning at
-# 32 / 8. No 8-rank plan of the three draws is slow enough to be re-planned.
+# bytes rule also causal_blockwise 1.0268 -> 1.0262 for ~3.5x its bytes. On several nodes measured and
+# not taken: in the re-plan (from REPLAN_FROM), 1 of 84 plans faster (1.358 -> 1.302) for +24-28%
+# planning at 32 / 8; as a pass from the kept homes after the NIC-shy and spread passes (from 1.05x),
+# 6 of 168 plans faster (2 with the bytes rule) for +5-13% planning, none of six 1M / 64 batches. No
+# 8-rank plan of the three draws is slow enough to be re-planned.
 REPLAN_DUPLEX = True
 # The kept plan's forward stages are polished by planner/polish.py (a local search on the slowest rank's
 # exposed exchanges); on one node only from this many times the bound, as below it the polish costs
