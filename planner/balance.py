@@ -165,6 +165,7 @@ class Balancer:
         return key // self.nB, key % self.nB
 
     def comm_time(self, r: int) -> float:
+        """Rank r's transfer seconds on its slower link: sends + receives (``duplex``: the busier of them)."""
         if self.duplex:
             return float((np.maximum(self.send[r], self.recv[r]) / self.bw).max())
         return float(((self.send[r] + self.recv[r]) / self.bw).max())

@@ -331,7 +331,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     bound = _lower_bound(tiles, world_size, cost_model, sizes)
     multi_node = world_size > cost_model.topology.ranks_per_node
     beaten = []
-    costly = None
+    turned_down = None
     if init is None and multi_node and result.sim_time > NIC_SHY_FROM * bound:
         before = result
         result = _nic_passes(tiles, result, world_size, cost_model, max_stages, sizes, bound)
@@ -339,7 +339,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
             beaten.append(before)
     if init is None and world_size > 1 and result.sim_time > DEAL_PASS_FROM * bound:
         before = result
-        result, costly = _deal_pass(tiles, result, world_size, cost_model, max_stages, sizes)
+        result, turned_down = _deal_pass(tiles, result, world_size, cost_model, max_stages, sizes)
         if result is not before:
             beaten.append(before)
     replan_from = REPLAN_FROM if multi_node else REPLAN_FROM_ONE_NODE
@@ -352,8 +352,8 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         polished = [_polished(tiles, p, world_size, cost_model, sizes)
                     for p in [result] + sorted(close, key=lambda p: p.sim_time)[:1]]
         result = min(polished, key=lambda p: p.sim_time)  # (the kept plan on a tie)
-        if POLISH_BYTES_REJECTED and costly is not None:
-            alt = _polished(tiles, costly, world_size, cost_model, sizes)
+        if POLISH_BYTES_REJECTED and turned_down is not None:
+            alt = _polished(tiles, turned_down, world_size, cost_model, sizes)
             if alt.sim_time < result.sim_time and _worth_its_bytes(tiles, alt, result, sizes):
                 result = alt
     if replan:
@@ -412,7 +412,7 @@ def _deal_pass(tiles: TileSet, result: Placement, world_size: int, cost_model: C
     ``_dealt_homes``; the fastest plan faster than that one but turned down for its bytes, or None): on
     several nodes balanced and refined as the second opinion's starts are (spread sends, transit relays),
     on one node balanced and staged as a one-node candidate; each with its backward deferral."""
-    costly = None
+    turned_down = None
     for home in _dealt_homes(tiles, result, world_size, cost_model, sizes):
         if world_size > cost_model.topology.ranks_per_node:
             alt = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, [home],
@@ -423,11 +423,11 @@ def _deal_pass(tiles: TileSet, result: Placement, world_size: int, cost_model: C
         if alt.sim_time < result.sim_time:
             if _worth_its_bytes(tiles, alt, result, sizes):
                 result = alt
-            elif costly is None or alt.sim_time < costly.sim_time:
-                costly = alt
-    if costly is not None and costly.sim_time >= result.sim_time:
-        costly = None
-    return result, costly
+            elif turned_down is None or alt.sim_time < turned_down.sim_time:
+                turned_down = alt
+    if turned_down is not None and turned_down.sim_time >= result.sim_time:
+        turned_down = None
+    return result, turned_down
 
 
 def _worth_its_bytes(tiles: TileSet, alt: Placement, result: Placement, sizes: dict) -> bool:
