@@ -91,16 +91,16 @@ from dataclasses import replace
 
 import numpy as np
 
-from .balance import balanced_ranks, pushed_rows
+from .candidates import (BASELINE_INITS, _balanced, _initial_home, _lower_bound, _place, _relay_balanced, _restaged,
+                         _schedule_bytes, _scored, _staged, _time_floor, _with_transit, coarsening_factor,
+                         merged_home, moved_bytes, with_deferred_backward)
 from .cost_model import CostModel
 from .placement import Placement, prefix_sums
 from .polish import polish_forward
 from .polish_bwd import polish_backward
-from .relay import add_relays, add_transit
-from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, payload_bytes, row_bytes
-from .starts import (contiguous_cut_home, deal_blocks, deal_heavy_pieces, dealt_home, hierarchical_home,
-                     hot_rows, spread_read_blocks)
-from .stages import Finisher, assign_stages, defer_backward_groups, defer_variant_sets, finish_placement
+from .relay import add_relays
+from .schedule import KIND_KV
+from .starts import deal_blocks, deal_heavy_pieces, hot_rows, spread_read_blocks
 from .tiles import TileSet, coarsen
 
 # Initial data placements tried, in order of how often each won in bench/bench_planner.py runs; the
@@ -117,7 +117,6 @@ SINGLE_NODE_INITS = ("fcp-docs", "fcp", "contiguous")
 # NIC keeps a document a little heavier than a node on it (fwd + bwd over the bound, 32 ranks / 8 per
 # node, a Wikipedia lambda batch: node compute 1.29x the mean, 1.50x the bound; wide 1.22x).
 MULTI_NODE_INITS = ("hierarchical", "hierarchical-fcp", "fcp", "zigzag-ring", "fcp-docs", "hierarchical-fcp-wide")
-BASELINE_INITS = ("zigzag-ring", "zigzag-allgather")  # planner/baselines.py zigzag and allgather as they are
 GOOD_ENOUGH = 1.05
 # One node, most of the compute in segments longer than a rank's memory (``_mostly_split_segments``):
 # every candidate is planned, and of those within GOOD_ENOUGH of the bound and within BYTES_SLACK of
@@ -126,9 +125,6 @@ GOOD_ENOUGH = 1.05
 # same rule picks among the first pass's finalists.
 BYTES_SLACK = 1.02
 BASELINE_MARGIN = 1.25  # a baseline this much slower on merged blocks is not re-planned at full resolution
-# Large batches are planned on merged blocks (2x2, 4x4, ... tiles) while that keeps >= 32 merged
-# blocks per rank (memory balance within ~3%); the result is mapped back to the real blocks.
-COARSE_TILE_LIMIT = 16384
 # Several candidates: ranked on 2x-merged blocks first (>= 32 merged blocks per rank, batches of
 # >= 2048 tiles), and only the best SELECT_KEEP are planned at full resolution.
 SELECT_MIN_TILES = 2048
@@ -145,18 +141,6 @@ WIDE_REFINE_TOP = 3
 # shared-question batch 1.270 -> 1.201 ("hierarchical-fcp", 5th before relays), nothing else changed
 # over the 57 multi-node cases (fp32 and bf16 partials) or seven 1M batches.
 RELAY_TOP = 5
-MIN_COARSE_BLOCKS_PER_RANK = 32
-# Several nodes: the refined finalists are also staged with the budget rule of planner/stages.py
-# doubled (transfers front-loaded) and the faster staging is kept. Neither wins everywhere (doubled for every
-# candidate: 27 of 57 benchmark cases faster, 11 slower): a rank's later stages also carry other
-# ranks' requests and returning partials, which the per-receiver rule cannot see. Trying it on the
-# winner only gives the same geomean as on every candidate (fwd+bwd / bound on 32 ranks 1.79 -> 1.70).
-FRONT_LOAD = 2.0
-# ... and staged with each rank's budget scale chosen among these by its own overlapped-time estimate: a
-# rank that holds little local work and reads most of its KV over the NIC needs its early exchanges
-# overfilled, or the last one carries most of its transfers (fwd+bwd / bound, 32 ranks, a Wikipedia
-# batch with a 38K document: 1.85 -> 1.46). As a third restaging, kept only where faster.
-ADAPTIVE_SCALES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Several nodes: these candidates are also balanced with KV already on a node priced as NVLink (the
 # relay add_relays then sets up) and join the finalists with their relays. "hierarchical" keeps a long
 # document's part on a node in contiguous runs, so one rank can hold most of its compute, and only
@@ -192,10 +176,6 @@ SECOND_OPINION_INITS = ("hierarchical", "hierarchical-spread")
 # merged, 1.50 vs 1.38 final (fp32 partials; bf16 1.33 -> 1.22); another batch 1.31 -> 1.28. Finalists
 # further off were not faster over the seven batches, and each one carried costs ~0.3 s at 1M.
 RECHECK = 1.10
-# Transit relays are added in passes until one gains nothing (at most TRANSIT_PASSES): a pass's relays
-# free NIC time that the next pass's can use (over the benchmark cases 3 passes equal 6; a second pass
-# gained 0.2-0.9% on six of 57 multi-node cases, none lost).
-TRANSIT_PASSES = 3
 # Several nodes, a plan still slower than NIC_SHY_FROM x the bound after its backward deferral: the
 # kept plan's homes balanced again by a Balancer that sees the inter-node bandwidth scaled by each of
 # NIC_SHY_SCALES (NIC transfers priced 1.33x and 2x), refined, transit-relayed and deferred alike; the
@@ -463,13 +443,6 @@ def _as_planned(tiles: TileSet, world_size: int, home: np.ndarray) -> tuple:
     return coarse, merged_home(home, factor, coarse.num_blocks), np.arange(tiles.num_blocks) // factor
 
 
-def merged_home(home: np.ndarray, factor: int, num_merged: int) -> np.ndarray | None:
-    """The homes of the merged blocks (``coarsen(tiles, factor)``) where ``home`` keeps every merged
-    block whole on one rank, else None."""
-    merged = home[np.arange(num_merged) * factor]
-    return merged if np.array_equal(merged[np.arange(home.size) // factor], home) else None
-
-
 def _spread_homes(tiles: TileSet, placement: Placement, world_size: int, topology) -> list:
     """The homes of ``placement`` with, inside each node, the blocks other nodes read dealt over the
     node's ranks (``spread_read_blocks``), and with only those whose KV crosses nodes in the forward's
@@ -485,61 +458,6 @@ def _spread_homes(tiles: TileSet, placement: Placement, world_size: int, topolog
     crossing = np.zeros(coarse.num_blocks, dtype=bool)
     crossing[of_block[fwd[first, 4]]] = True
     return [spread_read_blocks(coarse, home, topology)[of_block], deal_blocks(home, crossing, topology)[of_block]]
-
-
-def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel,
-                           sizes: dict, node_local: bool = True, beat: float | None = None) -> Placement:
-    """``placement`` scored, its backward restaged by ``Finisher.deferred`` where faster: after the
-    candidates are compared, as it costs up to 4 * DEFER_ROUNDS backward schedule derivations. Skipped
-    where the plan takes no longer than its busiest rank's compute, or where its own backward has no
-    group to defer (one cheap pass over its exchanges). Evaluation cases, fwd + bwd over
-    the bound, fp32 partials (51 of 95 plans faster, none slower): 16 / 4 1.117 -> 1.081, 32 / 8
-    1.324 -> 1.186, 32 (32) 1.086 -> 1.057, 16 / 8 1.045 -> 1.036; bf16 partials (24 of 76 faster,
-    none slower): 32 / 8 1.193 -> 1.156. ``node_local`` (several nodes): the rounds followed a second time
-    with node-local variants too (planner/stages.py ``DEFER_VARIANT_SETS``), the faster kept; over the
-    63 multi-node cases of the bench's batches (seed 0), held-out ones (seeds 1, 777) and bf16
-    partials: 64 of 252 plans faster (up to 7.2%), one slower (1.3%: another candidate kept later);
-    32 / 8 1.1502 -> 1.1466, held out 1.2696 -> 1.2627 (worst 2.078 -> 1.928) and 1.2444 -> 1.2341.
-
-    ``beat`` (seconds): the plan is only wanted if its deferral brings it under this; skipped where even a
-    fully hidden backward could not (its forward time, which deferral leaves as it is, plus its busiest
-    rank's backward compute), so the result is the same: 71 of the 121 second-opinion deferrals of the
-    bench's 32 / 8 cases, 10 of 42 over six 1M / 64 batches (-5% planning in both)."""
-    placement = _scored(tiles, placement, world_size, cost_model, sizes)
-    if world_size == 1:
-        return placement
-    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
-    if placement.sim_time <= _time_floor(placement.tile_rank, flops, world_size, cost_model) * (1 + 1e-3):
-        return placement  # no transfer exposed anywhere that matters
-    S = placement.schedule.num_stages
-    compute_bwd = flops / cost_model.fwd_rate * cost_model.bwd_flops_factor
-
-    def load_and_comm(stage, seconds, direction):
-        """[P, S] seconds per rank and stage, [P, S + 1] transfer time per rank and exchange."""
-        load = np.bincount(placement.tile_rank * S + stage, weights=seconds, minlength=world_size * S)
-        table = placement.schedule.table(direction).numpy().astype(np.int64)
-        return load.reshape(world_size, S), cost_model.stage_comm_time(
-            table, row_bytes(table, tiles.block_lengths(), **sizes), world_size, S)
-
-    if beat is not None:
-        busiest_bwd = np.bincount(placement.tile_rank, weights=compute_bwd, minlength=world_size).max()
-        forward = cost_model.overlapped_time(*load_and_comm(placement.tile_stage, flops / cost_model.fwd_rate, "fwd"))
-        if float(forward.max() + busiest_bwd) >= beat:
-            return placement
-    # one cheap pass over the plan's own backward exchanges: nothing to defer, nothing to derive
-    stage_bwd = placement.tile_stage_bwd
-    load, comm = load_and_comm(stage_bwd, compute_bwd, "bwd")
-    # (with every variant Finisher.deferred may try: a node-local one draws from fewer groups, so the
-    # groups before a large one can fit where the plain variants fit none; no plan of the 126
-    # multi-node cases of seeds 0 and 1 changed by it)
-    rpn = cost_model.topology.ranks_per_node
-    if all(defer_backward_groups(stage_bwd, tiles.kv, placement.tile_rank, placement.block_home, compute_bwd,
-                                 load, comm, largest_first=largest_first, into_last=True,
-                                 ranks_per_node=rpn if by_node else None) is stage_bwd
-           for largest_first, by_node in defer_variant_sets(world_size, rpn, node_local)[-1]):
-        return placement
-    return Finisher(tiles, placement.block_home, placement.tile_rank, placement.tile_stage, world_size=world_size,
-                    cost_model=cost_model, sizes=sizes).deferred(placement, node_local=node_local)
 
 
 def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
@@ -612,19 +530,6 @@ def _second_opinion(tiles: TileSet, result: Placement, world_size: int, cost_mod
         if alt.sim_time < result.sim_time:
             result = alt
     return result
-
-
-def _with_transit(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel,
-                  sizes: dict) -> Placement:
-    """``placement`` scored, with the transit relays of planner/relay.py ``add_transit`` where faster
-    (several nodes: KV that crosses into a node for one rank alone enters through another rank's NIC)."""
-    placement = _scored(tiles, placement, world_size, cost_model, sizes)
-    for _ in range(TRANSIT_PASSES):
-        better = add_transit(tiles, placement, world_size=world_size, cost_model=cost_model, sizes=sizes)
-        if better is placement:
-            break
-        placement = better
-    return placement
 
 
 def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
@@ -782,13 +687,6 @@ def _fewest_bytes(tiles: TileSet, planned: list, good_enough: float, sizes: dict
     return min(near, key=lambda p: _schedule_bytes(tiles, p, sizes))
 
 
-def _schedule_bytes(tiles: TileSet, placement: Placement, sizes: dict) -> float:
-    """Forward + backward payload bytes of a scored placement's CommSchedule (relays included)."""
-    block_len = tiles.block_lengths()
-    return sum(float(row_bytes(placement.schedule.table(d).numpy().astype(np.int64), block_len, **sizes).sum())
-               for d in ("fwd", "bwd"))
-
-
 def _fewest_bytes_staging_few(tiles: TileSet, world_size: int, inits: list, cost_model: CostModel, max_stages: int,
                               sizes: dict, good_enough: float) -> Placement:
     """``_fewest_bytes`` over the one-node candidates ``inits``, every one balanced but only those staged
@@ -812,64 +710,6 @@ def _fewest_bytes_staging_few(tiles: TileSet, world_size: int, inits: list, cost
     return _fewest_bytes(tiles, planned, good_enough, sizes)
 
 
-def moved_bytes(tiles: TileSet, home: np.ndarray, rank: np.ndarray, sizes: dict) -> float:
-    """Forward + backward payload bytes of a plan without relays (as its CommSchedule's rows add up):
-    per remote q-block a rank computes tiles of, Q, OUT, dO and dQ; per remote kv-block, KV and dK/dV."""
-    block_len = tiles.block_lengths()
-    total = 0.0
-    for blocks, kinds in ((tiles.q, (KIND_Q, KIND_OUT, KIND_DO, KIND_DQ)), (tiles.kv, (KIND_KV, KIND_DKV))):
-        remote = home[blocks] != rank
-        pairs = np.unique(rank[remote] * tiles.num_blocks + blocks[remote])
-        tokens = float(block_len[pairs % tiles.num_blocks].sum())
-        total += tokens * sum(float(payload_bytes(kind, 1, **sizes)) for kind in kinds)
-    return total
-
-
-def _time_floor(rank: np.ndarray, flops: np.ndarray, world_size: int, cost_model: CostModel) -> float:
-    """A floor under a plan's simulated forward + backward time: its busiest rank's compute (``flops``:
-    each tile's forward FLOPs)."""
-    busiest = np.bincount(rank, weights=flops, minlength=world_size).max() / cost_model.fwd_rate
-    return float((1 + cost_model.bwd_flops_factor) * busiest)
-
-
-def _relay_balanced(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, max_stages: int,
-                    sizes: dict) -> Placement:
-    """``placement``'s data placement rebalanced by a Balancer that counts a KV block already held on
-    the target's node as an NVLink transfer (the relay add_relays then sets up), if that simulates
-    faster. The per-rank NIC view wins some batches and loses the others, and keeping the faster of
-    the two never loses."""
-    alt, _ = _place(tiles, world_size, None, cost_model, max_stages, sizes,
-                    home=placement.block_home, relay_aware=True)
-    return alt if alt.sim_time < placement.sim_time else placement
-
-
-def _restaged(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, max_stages: int,
-              sizes: dict) -> Placement:
-    """``placement`` restaged, if that simulates faster (relays redone on the new stages): with each
-    stage's transfers allowed FRONT_LOAD times the compute hiding them, and with every rank's items
-    staged together so that each stage also fits the *senders'* compute (``both_ends``)."""
-    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
-    home, rank = placement.block_home, placement.tile_rank
-    best = placement
-    for scale, both_ends in ((FRONT_LOAD, False), (1.0, True), (ADAPTIVE_SCALES, False)):
-        stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
-                              total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,
-                              max_stages=max_stages, budget_scale=scale, both_ends=both_ends, **sizes)
-        alt = add_relays(tiles, finish_placement(tiles, home, rank, stage, world_size=world_size,
-                                                 cost_model=cost_model, sizes=sizes, max_stages=max_stages),
-                         world_size=world_size, cost_model=cost_model, max_stages=max_stages, sizes=sizes)
-        if alt.sim_time < best.sim_time:
-            best = alt
-    return best
-
-
-def _lower_bound(tiles: TileSet, world_size: int, cost_model: CostModel, sizes: dict) -> float:
-    """Forward + backward time of perfectly balanced compute with fully hidden communication."""
-    flops = float(tiles.pairs.sum()) * cost_model.tile_flops(1, num_q_heads=sizes["num_q_heads"],
-                                                             head_dim=sizes["head_dim"])
-    return flops * (1 + cost_model.bwd_flops_factor) / (world_size * cost_model.fwd_rate)
-
-
 def _preselect(tiles: TileSet, world_size: int, inits: list, cost_model: CostModel, max_stages: int,
                sizes: dict) -> list:
     """Rank the candidate initial placements on a 2x-merged copy of the batch (a quarter of the
@@ -890,108 +730,3 @@ def _preselect(tiles: TileSet, world_size: int, inits: list, cost_model: CostMod
     return [name for _t, _i, name in sorted(scored)[:SELECT_KEEP]]
 
 
-def coarsening_factor(tiles: TileSet, world_size: int) -> int:
-    """Power of two by which to merge blocks before planning (1: plan the real blocks)."""
-    factor = 1
-    while (tiles.num_tiles > COARSE_TILE_LIMIT * factor * factor
-           and tiles.num_blocks // (2 * factor) >= MIN_COARSE_BLOCKS_PER_RANK * world_size):
-        factor *= 2
-    return factor
-
-
-def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostModel, sizes: dict) -> np.ndarray:
-    num_q_heads, head_dim = sizes["num_q_heads"], sizes["head_dim"]
-    if init == "contiguous":
-        return contiguous_cut_home(tiles, world_size)
-    if init == "hierarchical-spread":
-        home = _initial_home(tiles, world_size, "hierarchical", cost_model, sizes)
-        return spread_read_blocks(tiles, home, cost_model.topology)
-    if init in ("hierarchical", "hierarchical-fcp", "hierarchical-fcp-wide"):
-        return hierarchical_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
-                                 inner="contiguous" if init == "hierarchical" else "fcp",
-                                 kv_bytes=payload_bytes(KIND_KV, tiles.block_lengths(), **sizes).astype(np.float64),
-                                 cut_links=cost_model.topology.ranks_per_node if init.endswith("-wide") else 1)
-    if init == "zigzag":
-        from .baselines import zigzag_home
-
-        return zigzag_home(tiles.num_blocks, world_size)
-    if init in ("dealt", "dealt-nodes"):
-        return dealt_home(tiles, world_size, topology=cost_model.topology)
-    if init in ("fcp", "fcp-docs"):
-        from .fcp import fcp_home
-
-        return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
-                        documents=init == "fcp-docs")
-    raise ValueError(f"unknown dcp init {init!r}; choose contiguous, hierarchical, hierarchical-fcp, "
-                     "hierarchical-fcp-wide, hierarchical-spread, zigzag, fcp, fcp-docs, dealt or dealt-nodes")
-
-
-def _scored(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, sizes: dict) -> Placement:
-    """``placement`` with its backward stages, CommSchedule and simulated fwd + bwd time (computed if
-    missing; its forward stages, e.g. inherited from merged blocks, are kept as they are)."""
-    if placement.sim_time is not None and placement.schedule is not None and placement.tile_stage_bwd is not None:
-        return placement
-    return finish_placement(tiles, placement.block_home, placement.tile_rank, placement.tile_stage,
-                            world_size=world_size, cost_model=cost_model, sizes=sizes, kv_relay=placement.kv_relay,
-                            spread_forward=False)
-
-
-def _place(tiles: TileSet, world_size: int, init: str | None, cost_model: CostModel, max_stages: int,
-           sizes: dict, *, relays: bool = True, home: np.ndarray | None = None,
-           relay_aware: bool = False, spread_sends: bool = False, nic_scale: float = 1.0) -> tuple[Placement, float]:
-    """One dcp placement from an initial data placement (``init``, or with init None the given ``home``
-    itself), and its simulated fwd + bwd time (with node-level KV relays where they pay, unless ``relays`` is False).
-    ``relay_aware``: the balancer prices KV already on a target's node as NVLink traffic (and with
-    ``spread_sends`` a home's inter-node KV sends as spread over its node's NICs). ``nic_scale``: the
-    balancer alone sees the inter-node bandwidth times this (staging and scoring see the true one)."""
-    if init in BASELINE_INITS:  # a baseline itself, so dcp is never slower
-        from .baselines import allgather, zigzag
-
-        base = (zigzag if init == "zigzag-ring" else allgather)(tiles, world_size)
-        placement = finish_placement(tiles, base.block_home, base.tile_rank, base.tile_stage, world_size=world_size,
-                                     cost_model=cost_model, sizes=sizes, max_stages=max_stages)
-    else:
-        home, rank = _balanced(tiles, world_size, init, cost_model, sizes, home=home, relay_aware=relay_aware,
-                               spread_sends=spread_sends, nic_scale=nic_scale)
-        placement = _staged(tiles, world_size, home, rank, cost_model, max_stages, sizes)
-    if relays:  # several nodes: hot KV blocks cross each inter-node link once and fan out over NVLink
-        placement = add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
-                               max_stages=max_stages, sizes=sizes)
-    return placement, placement.sim_time
-
-
-def _balanced(tiles: TileSet, world_size: int, init: str | None, cost_model: CostModel, sizes: dict, *,
-              home: np.ndarray | None = None, relay_aware: bool = False, spread_sends: bool = False,
-              nic_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """(block homes, tile ranks) of ``_place`` before staging: the initial data placement ``init`` (or
-    the given ``home``) and the Balancer's tile placement on it."""
-    if init is not None:
-        home = _initial_home(tiles, world_size, init, cost_model, sizes)
-    elif home is None:
-        raise ValueError("_place needs an init name or a home")
-    # dealt hot rows start on their kv-homes (or kv-nodes) where that moves fewer bytes (from every
-    # other start this was worse as often as better over the benchmark cases)
-    start = None
-    if init in ("dealt", "dealt-nodes"):
-        by_node = cost_model.topology.ranks_per_node if init == "dealt-nodes" else None
-        start = pushed_rows(tiles, home, ranks_per_node=by_node, **sizes)
-    topology = cost_model.topology
-    if nic_scale != 1.0:
-        topology = replace(topology, inter_bw=topology.inter_bw * nic_scale)
-    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
-    rank = balanced_ranks(tiles, home, flops / cost_model.fwd_rate, world_size, topology, start=start,
-                          relay_aware=relay_aware, spread_sends=spread_sends, overlap=cost_model.balance_overlap,
-                          duplex=cost_model.balance_duplex,
-                          **sizes)
-    return home, rank
-
-
-def _staged(tiles: TileSet, world_size: int, home: np.ndarray, rank: np.ndarray, cost_model: CostModel,
-            max_stages: int, sizes: dict) -> Placement:
-    """The scored Placement of given homes and tile ranks, staged by ``assign_stages`` (no relays)."""
-    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
-    stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
-                          total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,
-                          max_stages=max_stages, **sizes)
-    return finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model,
-                            sizes=sizes, max_stages=max_stages)

@@ -20,7 +20,7 @@ so the model is solved in two phases:
 
 The tiles are then staged and completed like every strategy's (planner/stages.py), with dcp's KV
 relays on several nodes, so only the placement differs from dcp's candidates (whose kept plan then
-also has its backward deferred, ``dcp.with_deferred_backward``).
+also has its backward deferred, planner/candidates.py ``with_deferred_backward``).
 
 Planning takes seconds (0.7-38 s per 128K-token batch on 8 ranks, on a 2-core CPU: one thread and
 the DETERMINISTIC preset, so that every rank computes the same plan; dcp: 7-91 ms).

@@ -32,7 +32,7 @@ DEFER_SHARE = 0.5
 DEFER_ROUNDS = 4
 # Finisher.deferred's (largest_first, node_local) variants of defer_backward_groups, one greedy path per
 # set, the faster end kept (several nodes, ``node_local``; else the first set alone). Measured in
-# planner/dcp.py ``with_deferred_backward``.
+# planner/candidates.py ``with_deferred_backward``.
 DEFER_VARIANT_SETS = (((False, False), (True, False)), ((False, False), (True, False), (False, True), (True, True)))
 
 

@@ -2,7 +2,7 @@
 
 Notation (docs/design.md): T tokens, nB blocks of B tokens, P ranks, tile (qb, kb); ``home[b]`` is the
 rank holding block b. Every function here returns an int64 ``home`` [nB] with memory (blocks per rank)
-balanced within a few percent; planner/dcp.py names them as candidates (``_initial_home``) and the
+balanced within a few percent; planner/candidates.py names them (``_initial_home``) for dcp's candidates and the
 Balancer (planner/balance.py) then places the tiles on them.
 
 * "contiguous" (``contiguous_cut_home``): P equal-token contiguous runs of blocks, each cut nudged by

@@ -78,7 +78,7 @@ def test_duplex_estimate_lets_the_homes_many_ranks_read_shed_their_compute():
     their transfers reach it (1.13x the mean compute); taking each link's busier direction, as the cost
     model prices an exchange (``duplex``), they shed it to the 2% the Balancer aims at."""
     from blockattn.planner.balance import Balancer
-    from blockattn.planner.dcp import _initial_home
+    from blockattn.planner.candidates import _initial_home
     from blockattn.planner.tiles import TileSet
 
     tiles = TileSet.from_block_mask(MaskSpec.documents(long_tail_docs(2, 32768)).block_mask(64))

@@ -13,7 +13,8 @@ from blockattn.masks import MaskSpec
 from blockattn.planner import Topology, make_plan
 from blockattn.planner.balance import Balancer, pushed_rows
 from blockattn.planner.cost_model import CostModel
-from blockattn.planner.dcp import _balanced, _lower_bound, _scored, dcp
+from blockattn.planner.candidates import _balanced, _lower_bound, _scored
+from blockattn.planner.dcp import dcp
 from blockattn.planner.starts import dealt_home, hot_rows
 from blockattn.planner.placement import balanced_bounds
 from blockattn.planner.schedule import KIND_KV, KIND_OUT, KIND_Q, payload_bytes

@@ -149,7 +149,7 @@ def test_stats_count_the_bytes_between_nodes():
 
 
 def test_large_batches_are_planned_on_merged_blocks_and_stay_exact():
-    from blockattn.planner.dcp import coarsening_factor
+    from blockattn.planner.candidates import coarsening_factor
     from blockattn.planner.tiles import TileSet
 
     spec = MaskSpec.causal(30_001)  # 469 blocks of 64, ~110K tiles, last block short
@@ -424,7 +424,8 @@ def test_a_deferral_that_cannot_beat_the_kept_plan_is_skipped_with_the_same_outc
     plan): skipped where even a fully hidden backward could not bring the plan under ``beat``, so for
     every ``beat`` the deferred plan beats it exactly when it would without the shortcut. The batch of
     the test above, whose deferral gains (1.191 -> 1.080x the bound)."""
-    from blockattn.planner.dcp import _dcp_selected, _lower_bound, with_deferred_backward
+    from blockattn.planner.candidates import _lower_bound, with_deferred_backward
+    from blockattn.planner.dcp import _dcp_selected
     from blockattn.planner.tiles import TileSet
 
     rng = np.random.default_rng(0)
@@ -580,7 +581,7 @@ def test_one_node_plan_on_merged_blocks_keeps_their_backward_stages(monkeypatch)
     the backward staging again (no finish_placement), and the plan is exact (make_plan runs
     check_plan)."""
     import blockattn.planner.api as api_module
-    from blockattn.planner.dcp import coarsening_factor
+    from blockattn.planner.candidates import coarsening_factor
     from blockattn.planner.tiles import TileSet
 
     spec = MaskSpec.documents([6000, 5000, 8000, 4000, 7000, 3000])
@@ -1239,7 +1240,7 @@ def test_one_node_keeps_the_candidate_moving_the_fewest_bytes_among_near_equals(
 def test_moved_bytes_are_the_schedules_bytes_without_relays(seed, world_size, strategy, grad):
     """``moved_bytes`` (from homes and tile ranks alone, which lets one-node dcp stage only the candidate
     it keeps) adds up to the plan's forward + backward transfer bytes, row for row."""
-    from blockattn.planner.dcp import moved_bytes
+    from blockattn.planner.candidates import moved_bytes
     from blockattn.planner.tiles import TileSet
 
     spec = MaskSpec.documents(long_tail_docs(seed, 6_000 + seed % 997))
@@ -1283,7 +1284,10 @@ def test_a_forced_init_plans_no_extra_relay_aware_finalist(monkeypatch):
         calls.append(init)
         return real(tiles, world_size, init, cost_model, sizes)
 
-    monkeypatch.setattr(dcp_module, "_initial_home", recording)
+    from blockattn.planner import candidates as candidates_module
+
+    monkeypatch.setattr(dcp_module, "_initial_home", recording)  # (the candidates named) ...
+    monkeypatch.setattr(candidates_module, "_initial_home", recording)  # ... and balanced
     dcp_module._dcp(tiles, 6, cm, 4, sizes, "fcp")
     assert set(calls) == {"fcp"}
     calls.clear()

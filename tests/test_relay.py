@@ -418,7 +418,7 @@ def test_dcp_keeps_transit_relays_where_they_are_faster(monkeypatch, skip_backwa
     backward deferral and the polishes, which are decided after the relays and would change both plans
     compared (with the polishes the plan without transit relays ends faster, 1.386 against 1.437: the
     relays are chosen on unpolished plans)."""
-    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner import candidates as candidates_module
 
     skip_backward_deferral()
     skip_polish()
@@ -432,7 +432,7 @@ def test_dcp_keeps_transit_relays_where_they_are_faster(monkeypatch, skip_backwa
     transit = [(d, b) for _, _, d, k, b in fwd.tolist() if k == KIND_KV and (d, b) not in reads]
     assert transit and plan.stats()["kv_relays"] > 0
     clear_plan_cache()
-    monkeypatch.setattr(dcp_module, "add_transit", lambda tiles, placement, **_: placement)
+    monkeypatch.setattr(candidates_module, "add_transit", lambda tiles, placement, **_: placement)
     without = make_plan(spec, 6, **kw)
     time = lambda p: p.stats()["sim_time_fwd"] + p.stats()["sim_time_bwd"]  # noqa: E731
     assert time(plan) < 0.99 * time(without)
