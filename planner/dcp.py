@@ -27,7 +27,8 @@ Steps (vectorized numpy; the balancer loops over donor/target rank pairs, not ti
    and their dK/dV partials are summed on the way back; kept only where the cost model says so.
    On the finalists, KV that still crosses into a node for one rank alone may go through a
    transit rank of that node (``add_transit``, in passes until one gains nothing), spreading a
-   node's inbound KV over its NICs.
+   node's inbound KV over its NICs. On one node a block many ranks read may be fanned out through
+   its earliest readers instead (planner/fanout.py), so its home's NVLink port sends fewer copies.
 
 No initial placement dominates (measured over the benchmark batches: on one node "fcp-docs", "fcp"
 and "contiguous" reach about the same time, the FCP packings with 40-60% fewer bytes on Wikipedia
@@ -76,7 +77,9 @@ the NIC-shy and spread passes again (``PASS_ROUNDS``, ``_nic_passes``). A plan s
 times the bound (one node too) is then weighed against homes with every document piece that holds more
 than a rank's compute on a node dealt round-robin over the node's ranks (``deal_heavy_pieces``), so that
 no one home carries the Q and OUT transfers of shedding its rows (kept where faster by more than the bytes
-it adds cost, ``_worth_its_bytes``). A plan still ``REPLAN_FROM``
+it adds cost, ``_worth_its_bytes``); on one node also against the kept homes with the blocks that at least
+``WIDELY_READ`` of the ranks read dealt over the ranks. A one-node plan over ``POLISH_FROM_ONE_NODE`` times
+the bound is then weighed against itself with those blocks fanned out (``FANOUT``). A plan still ``REPLAN_FROM``
 times the bound (``REPLAN_FROM_ONE_NODE`` on one node) is planned once more from the start with every
 balancer estimating a rank's time as max(compute, transfers) + ``REPLAN_OVERLAP`` x min(compute,
 transfers), so that a donor whose transfers about equal its compute still sheds compute, and on one node
@@ -95,11 +98,12 @@ from .candidates import (BASELINE_INITS, _balanced, _initial_home, _lower_bound,
                          _schedule_bytes, _scored, _staged, _time_floor, _with_transit, coarsening_factor,
                          merged_home, moved_bytes, with_deferred_backward)
 from .cost_model import CostModel
+from .fanout import add_fanout
 from .placement import Placement, prefix_sums
 from .polish import polish_forward
 from .polish_bwd import polish_backward
 from .relay import add_relays
-from .schedule import KIND_KV
+from .schedule import KIND_KV, as_relay_table
 from .starts import deal_blocks, deal_heavy_pieces, hot_rows, spread_read_blocks
 from .tiles import TileSet, coarsen
 
@@ -279,6 +283,20 @@ PASS_ROUNDS = 3
 # held out 16 / 4 1.0839 (against 1.0810), from the kept plan alone 32 / 8 1.2290 (against 1.2206; all
 # three without the bytes rule, which took 32 / 8 1.2206 -> 1.2227).
 DEAL_PASS_FROM = 1.05
+# On one node the deal pass also weighs the kept plan's homes with its *widely read* blocks - KV that at
+# least WIDELY_READ of the other ranks receive: a shared question, causal_blockwise's first block -
+# dealt over the ranks (``deal_blocks``): in contiguous runs a few homes hold them all and send every
+# copy. 32 ranks of one node, three draws (63 plans): 3 faster, none slower (shared question 1.130 ->
+# 1.119 and 1.111 -> 1.051, a causal batch 1.115 -> 1.108), planning +0.5%; smaller shared-question
+# batches (16-32K tokens on 16 or 32 ranks of one node) gain most: 3.59 -> 3.00, 2.05 -> 1.61x the bound.
+WIDELY_READ = 0.5
+# A one-node plan over POLISH_FROM_ONE_NODE x the bound is weighed, before its polish, against itself with
+# its widely read KV fanned out through the ranks that got it first (planner/fanout.py), its backward
+# deferred; kept where faster, the plan it beat polished as a runner-up. With the dealt widely-read blocks
+# above: 32 (32) three draws 3 of 63 plans faster (shared question 1.119 -> 1.081), none slower (two were
+# 0.1-0.3% slower without the runner-up polish), planning +11% at 32 (32); without them no plan gained
+# (the question's homes were still computing more than their share: the forward waited on compute).
+FANOUT = True
 
 
 def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
@@ -292,7 +310,9 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     slower than NIC_SHY_FROM x the bound is weighed against its homes balanced with the NICs priced
     slower (NIC_SHY_SCALES), and then against its homes with the blocks other nodes read dealt over their
     node's ranks (``_spread_homes``), in rounds (``_nic_passes``); then (one node too, from DEAL_PASS_FROM x
-    the bound) against homes with each node's heavy document pieces dealt over its ranks (``_deal_pass``).
+    the bound) against homes with each node's heavy document pieces (on one node also its widely read
+    blocks, WIDELY_READ) dealt over its ranks (``_deal_pass``); a one-node plan then against itself with
+    its widely read KV fanned out through its first readers (FANOUT, planner/fanout.py).
     A plan still slower than REPLAN_FROM x the bound (REPLAN_FROM_ONE_NODE on one node) is planned again
     with every balancer weighing exposed transfers (REPLAN_OVERLAP), and on one node again with every
     balancer taking a link's busier direction for a rank's transfers (REPLAN_DUPLEX, where worth its
@@ -325,6 +345,17 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     replan_from = REPLAN_FROM if multi_node else REPLAN_FROM_ONE_NODE
     replan = (init is None and world_size > 1 and result.sim_time > replan_from * bound
               and cost_model.balance_overlap == 0 and not cost_model.balance_duplex)
+    if (FANOUT and init is None and not multi_node and result.sim_time > POLISH_FROM_ONE_NODE * bound
+            and as_relay_table(result.kv_relay).shape[0] == 0):
+        # (after the deal pass: a fan-out pays where the widely read blocks' homes no longer compute
+        # more than their share)
+        alt = add_fanout(tiles, result, world_size=world_size, cost_model=cost_model, max_stages=max_stages,
+                         sizes=sizes)
+        if alt is not None:
+            alt = with_deferred_backward(tiles, alt, world_size, cost_model, sizes)
+            if alt.sim_time < result.sim_time:
+                beaten.append(result)
+                result = alt
     if polish and init is None and (multi_node or result.sim_time > POLISH_FROM_ONE_NODE * bound):
         # last, on the kept plan and the runner-up (every choice above compares plans as staged); the
         # re-plan below is decided on the time before it, and its plan is polished too
@@ -421,8 +452,9 @@ def _worth_its_bytes(tiles: TileSet, alt: Placement, result: Placement, sizes: d
 
 def _dealt_homes(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, sizes: dict) -> list:
     """The homes of "hierarchical" (on one node "contiguous") and of ``placement`` with their heavy pieces
-    dealt over their nodes' ranks (``deal_heavy_pieces``), each where that changes it and once; dealt as
-    merged blocks where the batch is planned on them (the seeds of ``_dcp(second_opinion=...)``)."""
+    dealt over their nodes' ranks (``deal_heavy_pieces``), and on one node ``placement``'s with its widely
+    read blocks dealt (WIDELY_READ), each where that changes it and once; dealt as merged blocks where
+    the batch is planned on them (the seeds of ``_dcp(second_opinion=...)``)."""
     coarse, kept, of_block = _as_planned(tiles, world_size, placement.block_home)
     homes = [_initial_home(coarse, world_size, "hierarchical", cost_model, sizes)]
     if kept is not None:
@@ -431,6 +463,15 @@ def _dealt_homes(tiles: TileSet, placement: Placement, world_size: int, cost_mod
     for home in homes:
         home_dealt = deal_heavy_pieces(coarse, home, world_size, cost_model.topology)
         if not np.array_equal(home_dealt, home) and not any(np.array_equal(home_dealt, seen) for seen in dealt):
+            dealt.append(home_dealt)
+    if WIDELY_READ and kept is not None and world_size <= cost_model.topology.ranks_per_node:
+        kv_rows = placement.schedule.fwd.numpy()
+        kv_rows = kv_rows[kv_rows[:, 3] == KIND_KV]  # one per receiving rank on one node (no relays yet)
+        receivers = np.bincount(kv_rows[:, 4], minlength=tiles.num_blocks)
+        widely = np.zeros(coarse.num_blocks, dtype=bool)
+        widely[of_block[receivers >= WIDELY_READ * (world_size - 1)]] = True
+        home_dealt = deal_blocks(kept, widely, cost_model.topology)
+        if not np.array_equal(home_dealt, kept) and not any(np.array_equal(home_dealt, seen) for seen in dealt):
             dealt.append(home_dealt)
     return [home[of_block] for home in dealt]
 

@@ -84,7 +84,7 @@ def add_transit(tiles: TileSet, placement: Placement, *, world_size: int, cost_m
     home = np.asarray(placement.block_home, dtype=np.int64)
     rank = np.asarray(placement.tile_rank, dtype=np.int64)
     stage, _ = compact_stages(placement.tile_stage)
-    groups = _placement_groups(tiles.kv, KIND_KV, home, rank, stage, None, tiles.num_blocks)
+    groups = placement_groups(tiles.kv, KIND_KV, home, rank, stage, None, tiles.num_blocks)
     relay = as_relay_table(placement.kv_relay)
     # Transit relays that even out the NIC loads of each node: a receiver's (its node-mates take the
     # inbound KV of blocks it alone reads) or a home's (node-mates send them out for it), and both
@@ -223,11 +223,7 @@ def _variants(tiles: TileSet, placement: Placement, *, world_size: int, cost_mod
                          f"blocks, tile_rank {rank.shape} / tile_stage for {tiles.num_tiles} tiles")
     if as_relay_table(placement.kv_relay).shape[0]:
         raise ValueError("add_relays expects a placement without relays (its kv_relay is already set)")
-    stage, num_stages = compact_stages(placement.tile_stage)
-    schedule = placement.schedule
-    if schedule is not None and (schedule.num_stages != num_stages or not np.array_equal(stage, placement.tile_stage)):
-        schedule = None  # derived for other stage numbers
-    kv_groups = _placement_groups(tiles.kv, KIND_KV, home, rank, stage, schedule, tiles.num_blocks)
+    stage, num_stages, schedule, kv_groups = relay_groups(tiles, home, rank, placement)
     rpn = cost_model.topology.ranks_per_node
     # two proxy choices, each weighed below: the lowest-ranked earliest receiver or one
     # rotating over them with the block (a node's NICs share the inbound copies)
@@ -235,36 +231,40 @@ def _variants(tiles: TileSet, placement: Placement, *, world_size: int, cost_mod
                          for rotate in (False, True)) if c is not None]
     if len(cands) == 2 and np.array_equal(cands[0].proxy, cands[1].proxy) and np.array_equal(cands[0].dst, cands[1].dst):
         cands = cands[:1]  # one earliest receiver per (block, node): the same relays
+    last_stage = delay_limit(num_stages, max_stages)
+    cands = [cand for cand in cands if any(m.any() for m in _late_early(cand, last_stage))]
     if not cands:
         return np.inf, []
-    # Stage f_p + 1 must exist for a delay: stages go up to S - 1, or S when one more is allowed.
-    last_stage = num_stages if num_stages - 1 < max_stages else num_stages - 1
-    score, base_time, variants = None, placement.sim_time, []
-    for cand in cands:
-        late = cand.first > cand.proxy_first
-        early = ~late & (cand.proxy_first + 1 <= last_stage)
-        if not late.any() and not early.any():
-            continue
-        if score is None:
-            q_groups = _placement_groups(tiles.q, KIND_Q, home, rank, stage, schedule, tiles.num_blocks)
-            score = _Scorer(tiles, home, rank, stage, num_stages, q_groups, kv_groups, world_size=world_size,
-                            cost_model=cost_model, sizes=sizes)
-            if base_time is None:
-                base_time = score.base()
-        lazy = score.variant(cand, np.zeros(cand.block.size, dtype=bool))
-        if late.any():
-            variants.append(lazy)
-        if early.any():
-            eager = score.variant(cand, early)
-            variants.append(eager)
-            # per rank: delay only where that rank stays within the no-delay plan's slowest rank
-            fits = (eager.fwd <= lazy.fwd.max()) & (eager.bwd <= lazy.bwd.max())
-            mixed = early & fits[cand.dst]
-            if mixed.any() and not np.array_equal(mixed, early):
-                variants.append(score.variant(cand, mixed))
-    if score is None:
-        return np.inf, []
-    return float(base_time), variants
+    q_groups = placement_groups(tiles.q, KIND_Q, home, rank, stage, schedule, tiles.num_blocks)
+    score = RelayScorer(tiles, home, rank, stage, num_stages, q_groups, kv_groups, world_size=world_size,
+                        cost_model=cost_model, sizes=sizes)
+    base_time = score.base() if placement.sim_time is None else placement.sim_time
+    return float(base_time), [v for cand in cands for v in score.weigh(cand, last_stage)]
+
+
+def relay_groups(tiles: TileSet, home: np.ndarray, rank: np.ndarray, placement: Placement) -> tuple:
+    """(compact forward stages, their count, the placement's schedule where it was derived for those
+    stages else None, the kv receive groups) of a relay-free placement, as the relay variants start
+    from them."""
+    stage, num_stages = compact_stages(placement.tile_stage)
+    schedule = placement.schedule
+    if schedule is not None and (schedule.num_stages != num_stages or not np.array_equal(stage, placement.tile_stage)):
+        schedule = None  # derived for other stage numbers
+    kv_groups = placement_groups(tiles.kv, KIND_KV, home, rank, stage, schedule, tiles.num_blocks)
+    return stage, num_stages, schedule, kv_groups
+
+
+def delay_limit(num_stages: int, max_stages: int) -> int:
+    """The last stage a delayed tile may move to: stage f_p + 1 must exist, and stages go up to S - 1,
+    or S when one more is allowed."""
+    return num_stages if num_stages - 1 < max_stages else num_stages - 1
+
+
+def _late_early(cand: "RelayCandidates", last_stage: int) -> tuple[np.ndarray, np.ndarray]:
+    """(receivers that need the block after their proxy has it, receivers that would need a delay and
+    can have one)."""
+    late = cand.first > cand.proxy_first
+    return late, ~late & (cand.proxy_first + 1 <= last_stage)
 
 
 class _Variant(NamedTuple):
@@ -323,7 +323,7 @@ def relay_candidates(home: np.ndarray, kv_groups, *, ranks_per_node: int, rotate
                            proxy_first=first[proxy_idx], group=idx)
 
 
-def _placement_groups(block, kind: int, home, rank, stage, schedule, num_blocks: int):
+def placement_groups(block, kind: int, home, rank, stage, schedule, num_blocks: int):
     """``receive_groups`` of the tiles' remote q-blocks (kind Q) or kv-blocks (KV): read off the rows of
     the placement's relay-free schedule when it has one (far fewer rows than tiles), else from the tiles.
     An input row ``(first, home, r, kind, b)`` and a result row ``(last + 1, r, home, OUT / DKV, b)``
@@ -341,8 +341,9 @@ def _placement_groups(block, kind: int, home, rank, stage, schedule, num_blocks:
     return rin[:, 2], rin[:, 4], rin[:, 0], rback[:, 0] - 1
 
 
-class _Scorer:
-    """dcp's plan score for variants of one placement that differ only in stages and relays: simulated
+class RelayScorer:
+    """dcp's plan score for variants of one placement that differ only in stages and relays (node proxies
+    here, one-node fan-outs in planner/fanout.py): simulated
     forward + backward time, each the slowest rank's overlapped time (planner/cost_model.py), over the
     CommSchedule rows and the per-stage compute. The receive groups are computed once; a variant only
     patches the groups of the (rank, block) pairs it delays."""
@@ -414,6 +415,27 @@ class _Scorer:
         """The input placement's time (with the backward stages of planner/stages.py)."""
         return self._score(self.q_groups, self.kv_groups, None, self.base_compute[:, :self.num_stages],
                            self.num_stages)[0]
+
+    def weigh(self, cand: RelayCandidates, last_stage: int) -> list:
+        """The scored variants of ``cand`` (module docstring): relays without delays where some
+        receiver needs none, with every possible delay, and the per-rank mix (a rank delays only if its
+        own fwd and bwd times stay within the no-delay variant's slowest rank); ``last_stage``:
+        ``delay_limit``."""
+        late, early = _late_early(cand, last_stage)
+        variants = []
+        if not late.any() and not early.any():
+            return variants
+        lazy = self.variant(cand, np.zeros(cand.block.size, dtype=bool))
+        if late.any():
+            variants.append(lazy)
+        if early.any():
+            eager = self.variant(cand, early)
+            variants.append(eager)
+            fits = (eager.fwd <= lazy.fwd.max()) & (eager.bwd <= lazy.bwd.max())
+            mixed = early & fits[cand.dst]
+            if mixed.any() and not np.array_equal(mixed, early):
+                variants.append(self.variant(cand, mixed))
+        return variants
 
     def variant(self, cand: RelayCandidates, delay: np.ndarray) -> _Variant:
         """Relays for every candidate that needs no delay plus the ``delay``-flagged ones (their tiles

@@ -14,3 +14,14 @@ def long_tail_docs(seed: int, total: int) -> list[int]:
         lens.append(int(np.exp(rng.uniform(np.log(64), np.log(total / 2)))))
     lens[-1] -= sum(lens) - total
     return [n for n in lens if n > 0]
+
+
+def shared_question_answers(seed: int, total: int) -> tuple[int, list[int]]:
+    """(question length, answer lengths) of a shared-question batch of ``total`` tokens: a question of
+    256-2047 tokens and 4-39 answers cut at random points of the rest."""
+    rng = np.random.default_rng(seed)
+    question = int(rng.integers(256, 2048))
+    rest = total - question
+    n = int(rng.integers(4, 40))
+    cuts = np.sort(rng.choice(np.arange(1, rest), n - 1, replace=False))
+    return question, np.diff(np.r_[0, cuts, rest]).tolist()

@@ -136,6 +136,31 @@ def relay_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_d
     return base, plan
 
 
+def fanout_plan(spec, world, *, num_q_heads, num_kv_heads, head_dim, dtype, block_size):
+    """(dcp's balancing of the "contiguous" data placement on one node, its fan-out variant with the most
+    relays and delayed tiles, planner/fanout.py): readers of a widely read block that get it from an
+    earlier reader (one per proxy here, from 3 readers, so 6 ranks have some)."""
+    import numpy as np
+
+    from blockattn.planner import check_plan
+    from blockattn.planner.api import build_plan
+    from blockattn.planner.fanout import fanout_variants
+
+    tiles, cost_model, kw, sizes, own = _balanced_without_relays(
+        spec, world, init="contiguous", ranks_per_node=world, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype=dtype, block_size=block_size)
+    base = build_plan(tiles, own, strategy="dcp", cost_model=cost_model, **kw)
+    variants = fanout_variants(tiles, own, world_size=world, cost_model=cost_model, max_stages=4, sizes=sizes,
+                               degree=1, min_readers=3)
+    if not variants:
+        raise AssertionError(f"no fan-out candidates for {spec}")
+    plans = [build_plan(tiles, v, strategy="dcp+fanout", cost_model=cost_model, **kw) for v in variants]
+    plan = max(plans, key=lambda p: (int((p.tile_stage != base.tile_stage).sum()) > 0, p.kv_relay.shape[0]))
+    check_plan(plan)
+    assert np.array_equal(own.block_home, plan.block_home.numpy()), "a fan-out moves no block"
+    return base, plan
+
+
 def transit_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head_dim, dtype, block_size,
                  side=None):
     """dcp's balancing of a "hierarchical" placement with every KV block that crosses to a node for one
@@ -326,6 +351,15 @@ def _relays_world6(rank, world):
                                             head_dim=16, dtype=torch.bfloat16, block_size=16, side="home")
     assert transit and forwarded, f"the home-side case has {transit} transit receives, {forwarded} forwarded partials"
     run_case(rank, world, spec, plan=plan, strategy=plan.strategy, dtype=torch.bfloat16)
+    # one node of 6: the question fanned out through its first readers (planner/fanout.py), partials
+    # reduced up the same tree
+    spec = MaskSpec.shared_question(64, [50, 70, 40, 60])
+    base, plan = fanout_plan(spec, world, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                             block_size=16)
+    bwd, home = plan.schedule.bwd, plan.block_home.long()
+    trees = int(((bwd[:, 3] == 5) & (bwd[:, 2] != home[bwd[:, 4].long()])).sum())
+    assert plan.stats()["kv_relays"] and trees, f"the fan-out case has {plan.stats()['kv_relays']} relays, {trees} tree hops"
+    run_case(rank, world, spec, plan=plan, strategy=plan.strategy)
 
 
 def _errors_world3(rank, world):

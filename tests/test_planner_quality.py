@@ -717,9 +717,10 @@ def test_dcp_replans_its_slow_one_node_plans_with_the_duplex_estimate(monkeypatc
 
 
 def test_dcp_keeps_a_duplex_replan_only_where_it_is_worth_its_bytes(monkeypatch):
-    """16 ranks on one node, 32K tokens of long-tail documents: the duplex re-plan is 2.4% faster than
-    the kept plan but moves more bytes than that pays for (``_worth_its_bytes``), so dcp keeps its plan
-    (the same fingerprint as without the duplex re-plan); taken on time alone it would be kept."""
+    """16 ranks on one node, 32K tokens of long-tail documents: the duplex re-plan is 1.8% faster than
+    the kept plan (1.072 against 1.091x the bound) but moves 1.25x its bytes, more than that pays for
+    (``_worth_its_bytes``), so dcp keeps its plan (the same fingerprint as without the duplex re-plan);
+    taken on time alone it would be kept."""
     import blockattn.planner.dcp as dcp_module
 
     spec = MaskSpec.documents(long_tail_docs(0, 32768))
@@ -736,7 +737,7 @@ def test_dcp_keeps_a_duplex_replan_only_where_it_is_worth_its_bytes(monkeypatch)
     monkeypatch.setattr(dcp_module, "_worth_its_bytes", lambda *args: True)
     on_time_alone = plan()
     clear_plan_cache()
-    assert _over_bound(on_time_alone.stats()) < 0.98 * _over_bound(kept.stats())
+    assert _over_bound(on_time_alone.stats()) < 0.99 * _over_bound(kept.stats())
     bytes_of = lambda p: p.stats()["bytes_fwd"] + p.stats()["bytes_bwd"]  # noqa: E731
     assert bytes_of(on_time_alone) > bytes_of(kept)
 
