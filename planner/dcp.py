@@ -459,19 +459,17 @@ def _dealt_homes(tiles: TileSet, placement: Placement, world_size: int, cost_mod
     homes = [_initial_home(coarse, world_size, "hierarchical", cost_model, sizes)]
     if kept is not None:
         homes.append(kept)
-    dealt = []
-    for home in homes:
-        home_dealt = deal_heavy_pieces(coarse, home, world_size, cost_model.topology)
-        if not np.array_equal(home_dealt, home) and not any(np.array_equal(home_dealt, seen) for seen in dealt):
-            dealt.append(home_dealt)
+    pairs = [(home, deal_heavy_pieces(coarse, home, world_size, cost_model.topology)) for home in homes]
     if WIDELY_READ and kept is not None and world_size <= cost_model.topology.ranks_per_node:
         kv_rows = placement.schedule.fwd.numpy()
         kv_rows = kv_rows[kv_rows[:, 3] == KIND_KV]  # one per receiving rank on one node (no relays yet)
         receivers = np.bincount(kv_rows[:, 4], minlength=tiles.num_blocks)
         widely = np.zeros(coarse.num_blocks, dtype=bool)
         widely[of_block[receivers >= WIDELY_READ * (world_size - 1)]] = True
-        home_dealt = deal_blocks(kept, widely, cost_model.topology)
-        if not np.array_equal(home_dealt, kept) and not any(np.array_equal(home_dealt, seen) for seen in dealt):
+        pairs.append((kept, deal_blocks(kept, widely, cost_model.topology)))
+    dealt = []
+    for home, home_dealt in pairs:
+        if not np.array_equal(home_dealt, home) and not any(np.array_equal(home_dealt, seen) for seen in dealt):
             dealt.append(home_dealt)
     return [home[of_block] for home in dealt]
 
