@@ -11,7 +11,7 @@ ranks ask of it (a home's KV sends) or the partials it sends back, and the refin
 keep or drop whole stagings. On the held-out 32 / 8 batches the forward simulated 1.07-1.67x the
 bound where no rank's compute or link bytes exceeded 1.02-1.27x.
 With the polish (fwd + bwd over the bound, geomean): the bench's 32 / 8 1.139 -> 1.120, held out
-1.205 -> 1.174; 220 of 315 multi-node evaluation plans faster, none slower (README).
+1.205 -> 1.174; 220 of 315 multi-node evaluation plans faster, none slower (docs/planner_log.md).
 
 Search: the slowest rank's exposed exchanges (transfers longer than the compute beside them) name
 the candidate moves: a *unit* (a group's tiles in its first stage, or a q-group's in its last) moved

@@ -34,7 +34,7 @@ they were.
 Measured (fwd + bwd over the bound, geomean, after the forward polish): held-out 32 / 8 1.174 ->
 1.155 (worst 1.50 -> 1.46), seed 777 1.159 -> 1.139, the bench's 1.120 -> 1.108; 234 of 315
 multi-node evaluation plans faster, none slower; 0.01-0.9 s a plan. Without the fills 1.165 (held
-out), without the tree moves 1.156, without those and the waited-for partials 1.161 (README).
+out), without the tree moves 1.156, without those and the waited-for partials 1.161 (docs/planner_log.md).
 """
 
 from __future__ import annotations
