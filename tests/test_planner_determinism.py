@@ -78,6 +78,32 @@ def test_check_plan_detects_corruption():
         check_plan(dataclasses.replace(plan, local_blocks=tuple(reversed(plan.local_blocks))))
 
 
+def test_check_plan_rejects_corrupted_schedules_with_a_message():
+    """Rows naming a rank, block or kind that cannot exist, or out of wire order (the order both ends
+    of a transfer read their slice in), are PlanConsistencyErrors saying so, not IndexErrors."""
+    import dataclasses
+
+    from blockattn.planner.schedule import KIND_DO, KIND_KV, CommSchedule
+
+    plan = make_plan(MaskSpec.documents([300, 41, 500]), 3, strategy="dcp", block_size=32, **HEADS)
+    fwd = plan.schedule.fwd
+    assert fwd.shape[0] >= 2 and bool((fwd[:, 3] == KIND_KV).any())
+
+    def with_fwd(table):
+        sched = CommSchedule(fwd=table, bwd=plan.schedule.bwd, num_stages=plan.num_stages,
+                             world_size=plan.world_size)
+        return dataclasses.replace(plan, schedule=sched)
+
+    for column, value, message in ((2, plan.world_size, "rank outside"), (4, plan.num_blocks, "block outside"),
+                                   (3, KIND_DO, "kind other than Q, KV, OUT")):
+        bad = fwd.clone()
+        bad[0, column] = value
+        with pytest.raises(PlanConsistencyError, match=message):
+            check_plan(with_fwd(bad))
+    with pytest.raises(PlanConsistencyError, match="differs from the one derived"):
+        check_plan(with_fwd(fwd.flip(0)))  # same rows, not in wire order
+
+
 def _unshard_worker(rank: int, world_size: int, init_file: str, result_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
