@@ -83,7 +83,7 @@ def fanout_variants(tiles: TileSet, placement: Placement, *, world_size: int, co
         return []
     q_groups = placement_groups(tiles.q, KIND_Q, home, rank, stage, schedule, tiles.num_blocks)
     score = RelayScorer(tiles, home, rank, stage, num_stages, q_groups, kv_groups, world_size=world_size,
-                        cost_model=cost_model, sizes=sizes)
+                        cost_model=cost_model, sizes=sizes, bwd_choice=placement.bwd_choice)
     return [v.placement(home, rank, world_size) for v in score.weigh(cand, delay_limit(num_stages, max_stages))]
 
 

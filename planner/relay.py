@@ -237,7 +237,7 @@ def _variants(tiles: TileSet, placement: Placement, *, world_size: int, cost_mod
         return np.inf, []
     q_groups = placement_groups(tiles.q, KIND_Q, home, rank, stage, schedule, tiles.num_blocks)
     score = RelayScorer(tiles, home, rank, stage, num_stages, q_groups, kv_groups, world_size=world_size,
-                        cost_model=cost_model, sizes=sizes)
+                        cost_model=cost_model, sizes=sizes, bwd_choice=placement.bwd_choice)
     base_time = score.base() if placement.sim_time is None else placement.sim_time
     return float(base_time), [v for cand in cands for v in score.weigh(cand, last_stage)]
 
@@ -349,7 +349,7 @@ class RelayScorer:
     patches the groups of the (rank, block) pairs it delays."""
 
     def __init__(self, tiles: TileSet, home: np.ndarray, rank: np.ndarray, stage: np.ndarray, num_stages: int,
-                 q_groups, kv_groups, *, world_size: int, cost_model: CostModel, sizes: dict):
+                 q_groups, kv_groups, *, world_size: int, cost_model: CostModel, sizes: dict, bwd_choice=None):
         self.tiles, self.home, self.rank, self.P, self.cm, self.sizes = tiles, home, rank, world_size, cost_model, sizes
         self.stage, self.num_stages, self.q_groups, self.kv_groups = stage, num_stages, q_groups, kv_groups
         flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
@@ -367,6 +367,9 @@ class RelayScorer:
         self.local_work = LocalWork(np.flatnonzero(~self.remote_q & ~self.remote_kv), rank, self.compute_bwd_time,
                                     world_size)
         self._bwd_cache = {}
+        if bwd_choice is not None and bwd_choice.fits(tiles, home, rank, num_stages):
+            # (the placement's own finish chose it from the same inputs: ``_backward`` would again)
+            self._bwd_cache[num_stages] = (bwd_choice.stage_bwd, bwd_choice.groups)
 
     def _backward(self, num_stages: int):
         """(backward stages, their (q, kv) receive groups) for ``num_stages``: they follow from what

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -435,6 +436,27 @@ def choose_backward_staging(plain: np.ndarray, plain_transfers: tuple, derive, t
     return plain, spread, payload, comm
 
 
+class BackwardChoice(NamedTuple):
+    """The relay-free backward staging ``choose_backward_staging`` picked for one placement, before its
+    local tiles were spread, with its (q, kv) receive groups: ``Finisher.finish`` records it on the
+    Placement (``bwd_choice``), and the relay scorer (planner/relay.py ``RelayScorer``), which would
+    choose the same staging from the same inputs, starts from it. Those inputs are the homes, the tile
+    ranks and the number of stages: the class rule, its split and their transfer times (DO / DQ / DKV
+    rows, relay-free) do not depend on the forward stages."""
+
+    tiles: object  # the TileSet
+    home: np.ndarray
+    rank: np.ndarray
+    num_stages: int
+    stage_bwd: np.ndarray  # the chosen backward stages, local tiles not spread
+    groups: tuple  # their (q, kv) receive_groups
+
+    def fits(self, tiles, home: np.ndarray, rank: np.ndarray, num_stages: int) -> bool:
+        """Whether it was chosen for exactly these tiles, homes, tile ranks and number of stages."""
+        return (tiles is self.tiles and num_stages == self.num_stages and np.array_equal(rank, self.rank)
+                and np.array_equal(home, self.home))
+
+
 class LocalWork:
     """Tiles that may move between stages (no transfer depends on them): ``tiles`` in the order they
     leave (within a rank), ``total`` [P] their seconds per rank. Grouped by rank (``order``, stably, so
@@ -578,7 +600,8 @@ class Finisher:
         return self._plain_bwd[num_stages]
 
     def _schedule(self, kv_relay, num_stages: int, stage_bwd: np.ndarray | None = None):
-        """(backward stages, CommSchedule); ``stage_bwd`` None: the class-rule backward stages."""
+        """(backward stages, CommSchedule, the backward's receive groups); ``stage_bwd`` None: the
+        class-rule backward stages."""
         if stage_bwd is None:
             stage_bwd, bwd_groups = self._plain_backward(num_stages)
         else:
@@ -586,7 +609,7 @@ class Finisher:
         sched = schedule_from_groups(self.home, *self._forward_groups(), num_blocks=self.tiles.num_blocks,
                                      num_stages=num_stages, world_size=self.P, kv_relay=kv_relay,
                                      bwd_groups=bwd_groups)
-        return stage_bwd, sched
+        return stage_bwd, sched, bwd_groups
 
     def _comm(self, sched, directions) -> dict:
         comm = {}
@@ -693,10 +716,10 @@ class Finisher:
         directions = ("fwd", "bwd") if score or spread_forward else ("bwd",)
 
         def schedule_and_comm(num_stages):
-            stage_bwd, sched = self._schedule(kv_relay, num_stages)
-            return stage_bwd, sched, self._comm(sched, directions)
+            stage_bwd, sched, groups = self._schedule(kv_relay, num_stages)
+            return stage_bwd, sched, self._comm(sched, directions), groups
 
-        stage_bwd, sched, comm = schedule_and_comm(num_stages)
+        stage_bwd, sched, comm, groups = schedule_and_comm(num_stages)
         compute, compute_bwd = self.compute, self.compute_bwd
         if num_stages > 1:
             # moving local tiles between stages changes no transfer, so the schedule stays valid
@@ -715,8 +738,9 @@ class Finisher:
                         stage_bwd = backward_stages(tiles.q, tiles.kv, rank, home, num_stages)
                         sched = replace(sched, num_stages=num_stages)
                         comm = self._comm(sched, directions)
+                        groups = None  # (the same groups; taken again below only if recorded)
                     else:  # a DKV reduce tree may find room in the new stage
-                        stage_bwd, sched, comm = schedule_and_comm(num_stages)
+                        stage_bwd, sched, comm, groups = schedule_and_comm(num_stages)
 
             def spread_and_time(stage_bwd, comm_bwd):
                 return self._backward_time(stage_bwd, comm_bwd, num_stages)
@@ -724,13 +748,15 @@ class Finisher:
             # (on one node too: 32 ranks on one NVLink domain, whose small per-rank batches leave
             # exchange 1 exposed: 1.49 -> 1.34x the bound on a Wikipedia batch)
             def derive(stage_bwd):
-                split_sched = self._schedule(kv_relay, num_stages, stage_bwd)[1]
+                _, split_sched, split_groups = self._schedule(kv_relay, num_stages, stage_bwd)
                 split_comm = self._comm(split_sched, directions)
-                return (split_sched, split_comm), split_comm["bwd"]
+                return (split_sched, split_comm, split_groups), split_comm["bwd"]
 
-            _, stage_bwd, (sched, comm), _ = choose_backward_staging(
-                stage_bwd, ((sched, comm), comm["bwd"]), derive, spread_and_time, q=tiles.q, kv=tiles.kv,
+            chosen, stage_bwd, (sched, comm, groups), _ = choose_backward_staging(
+                stage_bwd, ((sched, comm, groups), comm["bwd"]), derive, spread_and_time, q=tiles.q, kv=tiles.kv,
                 rank=rank, home=home, compute=compute_bwd, world_size=P, num_stages=num_stages)
+        else:
+            chosen = stage_bwd
 
         def per_stage(st):
             return np.bincount(rank * num_stages + st, weights=compute, minlength=P * num_stages).reshape(P, num_stages)
@@ -739,6 +765,10 @@ class Finisher:
         if score:
             fwd, bwd = cost_model.step_times(per_stage(stage), comm["fwd"], comm["bwd"], per_stage(stage_bwd))
             sim_time = float(fwd.max() + bwd.max())
+        choice = None
+        if kv_relay is None:  # (what the relay scorer would choose again for this placement)
+            choice = BackwardChoice(tiles, home, rank, num_stages, chosen,
+                                    groups if groups is not None else self._groups(chosen))
         return Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched,
                          kv_relay=None if kv_relay is None else np.asarray(kv_relay, dtype=np.int64),
-                         sim_time=sim_time, tile_stage_bwd=stage_bwd)
+                         sim_time=sim_time, tile_stage_bwd=stage_bwd, bwd_choice=choice)

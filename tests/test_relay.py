@@ -565,6 +565,46 @@ def test_one_finisher_finishes_every_relay_table_as_a_fresh_one_would():
                 assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_relay_scorer_starts_from_the_finishs_backward_choice():
+    """finish_placement records the relay-free backward staging it chose (``Placement.bwd_choice``); the
+    relay scorer, which would choose the same one from the same homes, ranks and stage count, starts
+    from it: every variant it weighs is the same, time and arrays, as when it chooses again. A choice
+    made for other ranks or another stage count is not used."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.relay import RelayScorer, placement_groups, relay_groups
+
+    spec = MaskSpec.documents([6000, 5000, 800, 2300])
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    cm = CostModel(topology=Topology(ranks_per_node=2))
+    sizes = dict(SIZES, grad_element_size=4)
+    base = dcp_module._place(tiles, 6, "hierarchical", cm, 4, sizes, relays=False)[0]
+    choice = base.bwd_choice
+    assert choice is not None and choice.fits(tiles, base.block_home, base.tile_rank, choice.num_stages)
+    kw = dict(world_size=6, cost_model=cm, max_stages=4, sizes=sizes)
+    with_choice = relay_variants(tiles, base, **kw)
+    chosen_again = relay_variants(tiles, dataclasses.replace(base, bwd_choice=None), **kw)
+    assert with_choice[0] == chosen_again[0] and len(with_choice[1]) == len(chosen_again[1]) > 0
+    for a, b in zip(with_choice[1], chosen_again[1]):
+        assert a.sim_time == b.sim_time
+        for x, y in ((a.tile_stage, b.tile_stage), (a.tile_stage_bwd, b.tile_stage_bwd), (a.kv_relay, b.kv_relay),
+                     (a.schedule.fwd, b.schedule.fwd), (a.schedule.bwd, b.schedule.bwd)):
+            assert np.array_equal(np.asarray(x), np.asarray(y))
+    # the scorer's own choice is the recorded one
+    home, rank = base.block_home, base.tile_rank
+    stage, num_stages, schedule, kv_groups = relay_groups(tiles, home, rank, base)
+    q_groups = placement_groups(tiles.q, KIND_Q, home, rank, stage, schedule, tiles.num_blocks)
+    fresh = RelayScorer(tiles, home, rank, stage, num_stages, q_groups, kv_groups, world_size=6, cost_model=cm,
+                        sizes=sizes)
+    own_stage_bwd, own_groups = fresh._backward(num_stages)
+    assert np.array_equal(own_stage_bwd, choice.stage_bwd)
+    for part, recorded in zip(own_groups, choice.groups):
+        assert all(np.array_equal(x, y) for x, y in zip(part, recorded))
+    # stale: other ranks, another stage count
+    moved = rank.copy()
+    moved[0] = (moved[0] + 1) % 6
+    assert not choice.fits(tiles, home, moved, num_stages) and not choice.fits(tiles, home, rank, num_stages + 1)
+
+
 def test_transit_relays_in_passes_until_one_gains_nothing():
     """9 ranks, 3 per node: a first pass of transit relays gains next to nothing, a second one ~9% (the
     first pass's relays free NIC time the second pass's use). dcp's ``_with_transit`` takes passes until
