@@ -26,8 +26,8 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, run_heads
-from .relay import RelayCandidates, RelayScorer, delay_limit, placement_groups, relay_groups
-from .schedule import KIND_Q, as_relay_table
+from .relay import RelayCandidates, RelayScorer, delay_limit, relay_groups
+from .schedule import as_relay_table
 from .tiles import TileSet
 
 # Readers a proxy forwards a block to. 32 ranks of one node, three draws' batches (63 plans, with
@@ -77,13 +77,13 @@ def fanout_variants(tiles: TileSet, placement: Placement, *, world_size: int, co
         raise ValueError("fanout_variants expects a placement without relays (its kv_relay is already set)")
     home = np.asarray(placement.block_home, dtype=np.int64)
     rank = np.asarray(placement.tile_rank, dtype=np.int64)
-    stage, num_stages, schedule, kv_groups = relay_groups(tiles, home, rank, placement)
+    groups = relay_groups(tiles, home, rank, placement)
+    _, num_stages, _, kv_groups = groups
     cand = fanout_candidates(home, kv_groups, degree=degree, min_readers=min_readers)
     if cand is None:
         return []
-    q_groups = placement_groups(tiles.q, KIND_Q, home, rank, stage, schedule, tiles.num_blocks)
-    score = RelayScorer(tiles, home, rank, stage, num_stages, q_groups, kv_groups, world_size=world_size,
-                        cost_model=cost_model, sizes=sizes, bwd_choice=placement.bwd_choice)
+    score = RelayScorer.of(tiles, placement, home, rank, groups, world_size=world_size, cost_model=cost_model,
+                           sizes=sizes)
     return [v.placement(home, rank, world_size) for v in score.weigh(cand, delay_limit(num_stages, max_stages))]
 
 

@@ -235,9 +235,8 @@ def _variants(tiles: TileSet, placement: Placement, *, world_size: int, cost_mod
     cands = [cand for cand in cands if any(m.any() for m in _late_early(cand, last_stage))]
     if not cands:
         return np.inf, []
-    q_groups = placement_groups(tiles.q, KIND_Q, home, rank, stage, schedule, tiles.num_blocks)
-    score = RelayScorer(tiles, home, rank, stage, num_stages, q_groups, kv_groups, world_size=world_size,
-                        cost_model=cost_model, sizes=sizes, bwd_choice=placement.bwd_choice)
+    score = RelayScorer.of(tiles, placement, home, rank, (stage, num_stages, schedule, kv_groups),
+                           world_size=world_size, cost_model=cost_model, sizes=sizes)
     base_time = score.base() if placement.sim_time is None else placement.sim_time
     return float(base_time), [v for cand in cands for v in score.weigh(cand, last_stage)]
 
@@ -370,6 +369,16 @@ class RelayScorer:
         if bwd_choice is not None and bwd_choice.fits(tiles, home, rank, num_stages):
             # (the placement's own finish chose it from the same inputs: ``_backward`` would again)
             self._bwd_cache[num_stages] = (bwd_choice.stage_bwd, bwd_choice.groups)
+
+    @classmethod
+    def of(cls, tiles: TileSet, placement: Placement, home: np.ndarray, rank: np.ndarray, groups: tuple, *,
+           world_size: int, cost_model: CostModel, sizes: dict) -> "RelayScorer":
+        """The scorer of a relay-free ``placement``'s variants from its ``relay_groups`` (``groups``): its
+        q receive groups read off the same schedule, and the backward staging its finish chose."""
+        stage, num_stages, schedule, kv_groups = groups
+        q_groups = placement_groups(tiles.q, KIND_Q, home, rank, stage, schedule, tiles.num_blocks)
+        return cls(tiles, home, rank, stage, num_stages, q_groups, kv_groups, world_size=world_size,
+                   cost_model=cost_model, sizes=sizes, bwd_choice=placement.bwd_choice)
 
     def _backward(self, num_stages: int):
         """(backward stages, their (q, kv) receive groups) for ``num_stages``: they follow from what

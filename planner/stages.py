@@ -735,10 +735,9 @@ class Finisher:
                     if kv_relay is None:
                         # same rows (local tiles move none; the backward classes of remote tiles keep
                         # their stages), one more stage: no need to derive the schedule again
-                        stage_bwd = backward_stages(tiles.q, tiles.kv, rank, home, num_stages)
+                        stage_bwd, groups = self._plain_backward(num_stages)
                         sched = replace(sched, num_stages=num_stages)
                         comm = self._comm(sched, directions)
-                        groups = None  # (the same groups; taken again below only if recorded)
                     else:  # a DKV reduce tree may find room in the new stage
                         stage_bwd, sched, comm, groups = schedule_and_comm(num_stages)
 
@@ -767,8 +766,7 @@ class Finisher:
             sim_time = float(fwd.max() + bwd.max())
         choice = None
         if kv_relay is None:  # (what the relay scorer would choose again for this placement)
-            choice = BackwardChoice(tiles, home, rank, num_stages, chosen,
-                                    groups if groups is not None else self._groups(chosen))
+            choice = BackwardChoice(tiles, home, rank, num_stages, chosen, groups)
         return Placement(block_home=home, tile_rank=rank, tile_stage=stage, schedule=sched,
                          kv_relay=None if kv_relay is None else np.asarray(kv_relay, dtype=np.int64),
                          sim_time=sim_time, tile_stage_bwd=stage_bwd, bwd_choice=choice)

@@ -571,7 +571,7 @@ def test_relay_scorer_starts_from_the_finishs_backward_choice():
     from it: every variant it weighs is the same, time and arrays, as when it chooses again. A choice
     made for other ranks or another stage count is not used."""
     from blockattn.planner import dcp as dcp_module
-    from blockattn.planner.relay import RelayScorer, placement_groups, relay_groups
+    from blockattn.planner.relay import RelayScorer, relay_groups
 
     spec = MaskSpec.documents([6000, 5000, 800, 2300])
     tiles = TileSet.from_block_mask(spec.block_mask(128))
@@ -591,10 +591,10 @@ def test_relay_scorer_starts_from_the_finishs_backward_choice():
             assert np.array_equal(np.asarray(x), np.asarray(y))
     # the scorer's own choice is the recorded one
     home, rank = base.block_home, base.tile_rank
-    stage, num_stages, schedule, kv_groups = relay_groups(tiles, home, rank, base)
-    q_groups = placement_groups(tiles.q, KIND_Q, home, rank, stage, schedule, tiles.num_blocks)
-    fresh = RelayScorer(tiles, home, rank, stage, num_stages, q_groups, kv_groups, world_size=6, cost_model=cm,
-                        sizes=sizes)
+    groups = relay_groups(tiles, home, rank, base)
+    num_stages = groups[1]
+    fresh = RelayScorer.of(tiles, dataclasses.replace(base, bwd_choice=None), home, rank, groups, world_size=6,
+                           cost_model=cm, sizes=sizes)
     own_stage_bwd, own_groups = fresh._backward(num_stages)
     assert np.array_equal(own_stage_bwd, choice.stage_bwd)
     for part, recorded in zip(own_groups, choice.groups):
