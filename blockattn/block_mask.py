@@ -176,10 +176,19 @@ class BlockMask:
 
     def tile_pairs(self) -> torch.Tensor:
         """int64 unmasked (q, k) pairs of each tile, in ``tiles()`` order."""
-        pairs = self.block_len(self.tile_q) * self.block_len(self.tile_kv)
+        # Every block but the last is whole, so only tiles in the last row or column are not B * B
+        # (the planner reads this for every tile of every batch: no per-tile gathers).
+        B, last = self.block_size, self.num_blocks - 1
+        tq, tk = self.tile_q.numpy(), self.tile_kv.numpy()
+        pairs = np.full(tq.size, B * B, dtype=np.int64)
+        short = self.total_len - last * B
+        if short < B:
+            pairs[np.searchsorted(tq, last):] = short * B  # (tiles sorted by q: the last row is a suffix)
+            col = tk == last
+            pairs[col] = pairs[col] // B * short
         # Partial tiles appear in tiles() in the same relative order as in the q-major partial list.
-        pairs[~self.tile_full] = self.part_count
-        return pairs
+        pairs[~self.tile_full.numpy()] = self.part_count.numpy()
+        return torch.from_numpy(pairs)
 
     def tile_state(self) -> torch.Tensor:
         """Dense int8 ``[nB, nB]`` of EMPTY/PARTIAL/FULL (for tests and small masks)."""

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .placement import first_occurrence, run_heads
+from .placement import argsort_small_ints, first_occurrence, run_heads
 from .schedule import KIND_KV, KIND_OUT, KIND_Q, payload_bytes
 from .tiles import TileSet
 
@@ -315,7 +315,7 @@ class Balancer:
             return self.rank
         # A donor's candidates are its initial tiles (targets are filled to about the cap, so the
         # tiles a rank received are never worth passing on again).
-        by_rank = _argsort_small_ints(self.rank)
+        by_rank = argsort_small_ints(self.rank)
         bounds = np.searchsorted(self.rank[by_rank], np.arange(self.P + 1))
         stuck = np.zeros(self.P, dtype=bool)  # donors that found no move in a round stay put
         for _ in range(MAX_ROUNDS):
@@ -345,7 +345,7 @@ class Balancer:
         # so a stable sort by the row's rank alone (a linear radix sort of small ints) gives that order
         row_rank = np.empty(self.nB, dtype=np.int64)
         row_rank[np.argsort(-row_c, kind="stable")] = np.arange(self.nB)
-        order = _argsort_small_ints(row_rank[q])
+        order = argsort_small_ints(row_rank[q])
         mine_rows, kv_home_rows = mine[order], kv_home[order]
         homes = np.flatnonzero(np.bincount(kv_home, minlength=self.P))
         homes = homes[(homes != r) & (self.C[homes] < self.mean)]
@@ -370,7 +370,7 @@ class Balancer:
         width = int(max(1, round(np.sqrt(n * self._row_over_column))))
         # tiles by (kv // width, q, kv): ``mine`` is in (q, kv) order, so a stable sort by kv // width
         # alone (a linear radix sort of small ints) gives that order
-        rect = mine[_argsort_small_ints(self.t.kv[mine] // width)]
+        rect = mine[argsort_small_ints(self.t.kv[mine] // width)]
         failed = {}  # class -> the least transfer time of its targets that failed
         for t in targets.tolist():
             if self.C[r] <= self.cap:
@@ -407,13 +407,6 @@ def _load_and_cap(rank: np.ndarray, compute: np.ndarray, world_size: int) -> tup
 def _nothing_to_shed(load: np.ndarray, cap: float, num_tiles: int) -> bool:
     """Whether ``Balancer.run`` moves no tile: one rank, no tiles, or no rank over the cap."""
     return load.size == 1 or num_tiles == 0 or float(load.max()) <= cap
-
-
-def _argsort_small_ints(values: np.ndarray) -> np.ndarray:
-    """Stable argsort; keys below 2**15 are radix-sorted as int16 (O(n))."""
-    if values.size and values.max() < 2**15:
-        values = values.astype(np.int16)
-    return np.argsort(values, kind="stable")
 
 
 def _distinct(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:

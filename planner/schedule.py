@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .placement import run_heads
+from .placement import argsort_small_ints, run_heads
 
 KIND_Q, KIND_KV, KIND_OUT, KIND_DO, KIND_DQ, KIND_DKV = range(6)
 KIND_NAMES = ("Q", "KV", "OUT", "DO", "DQ", "DKV")
@@ -198,7 +198,7 @@ def _grouping(rank: np.ndarray, block: np.ndarray, tiles: np.ndarray, num_blocks
     """(tiles ordered by ``rank * nB + block``, each group's first position, each group's rank and
     block) of the given tile indices, as ``receive_groups`` orders its groups; read-only."""
     key = rank[tiles] * num_blocks + block[tiles]
-    order = np.argsort(key, kind="stable")
+    order = argsort_small_ints(key)
     key = key[order]
     heads = run_heads(key)
     parts = (tiles[order], np.flatnonzero(heads), key[heads] // num_blocks, key[heads] % num_blocks)
