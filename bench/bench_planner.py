@@ -2,8 +2,8 @@
 
 For batches of 128K tokens drawn from real Wikipedia document lengths and from a long-tail
 (LongAlign-like, 8K-64K) mix, and for causal-document, per-document lambda (sink 64, window 4096),
-shared-question and causal-blockwise masks, at world sizes 8, 16, 32 (8 ranks per node, plus 16 at
-4 per node and 32 on one NVLink domain), it plans every strategy and records compute imbalance,
+shared-question and causal-blockwise masks, at world sizes 8, 16, 32 (8 ranks per node, plus 8 and
+16 at 4 per node and 32 on one NVLink domain), it plans every strategy and records compute imbalance,
 bytes, simulated attention time (planner/cost_model.py) and the lower bound. It also times planning,
 cold as for a new batch, at 128K tokens / 8 ranks (every batch) and 1M tokens / 64 ranks (block
 classification, the lead's BlockMask, timed separately).
@@ -191,7 +191,7 @@ def main() -> None:
     T = 128 * 1024
     n_batches = 1 if args.quick else 3
     # (32 ranks on one NVLink domain, as GH200 NVL32: the single-node planner at scale)
-    configs = [(8, 8), (16, 8), (32, 8)] + ([] if args.quick else [(16, 4), (32, 32)])
+    configs = [(8, 8), (16, 8), (32, 8)] + ([] if args.quick else [(8, 4), (16, 4), (32, 32)])
     batches = draw_batches(rng, wiki, T, n_batches)
 
     results = []

@@ -28,6 +28,7 @@ from .starts import contiguous_cut_home, dealt_home, hierarchical_home, spread_r
 from .tiles import TileSet
 
 BASELINE_INITS = ("zigzag-ring", "zigzag-allgather")  # planner/baselines.py zigzag and allgather as they are
+FCP_PLAN = "fcp-plan"  # the fcp strategy's plan as it is (planner/fcp.py: owner computes on FCP's homes)
 # Large batches are planned on merged blocks (2x2, 4x4, ... tiles) while that keeps >= 32 merged
 # blocks per rank (memory balance within ~3%); the result is mapped back to the real blocks.
 COARSE_TILE_LIMIT = 16384
@@ -243,10 +244,15 @@ def _place(tiles: TileSet, world_size: int, init: str | None, cost_model: CostMo
     ``relay_aware``: the balancer prices KV already on a target's node as NVLink traffic (and with
     ``spread_sends`` a home's inter-node KV sends as spread over its node's NICs). ``nic_scale``: the
     balancer alone sees the inter-node bandwidth times this (staging and scoring see the true one)."""
-    if init in BASELINE_INITS:  # a baseline itself, so dcp is never slower
+    if init in BASELINE_INITS or init == FCP_PLAN:  # a baseline itself, so dcp is never slower
         from .baselines import allgather, zigzag
 
-        base = (zigzag if init == "zigzag-ring" else allgather)(tiles, world_size)
+        if init == FCP_PLAN:
+            from .fcp import fcp
+
+            base = fcp(tiles, world_size, cost_model=cost_model, max_stages=max_stages, **sizes)
+        else:
+            base = (zigzag if init == "zigzag-ring" else allgather)(tiles, world_size)
         placement = finish_placement(tiles, base.block_home, base.tile_rank, base.tile_stage, world_size=world_size,
                                      cost_model=cost_model, sizes=sizes, max_stages=max_stages)
     else:

@@ -50,7 +50,9 @@ best budget scale, each kept only where faster); the refined finalists within ``
 fastest go to full resolution and get their transit relays, and the fastest is kept. The plain
 zigzag baseline ("zigzag-ring") is a candidate too, and the final plan is checked against both
 baselines at full resolution (skipped for a baseline ``BASELINE_MARGIN`` slower on the merged
-blocks), so dcp is never slower than them in the cost model. A multi-node plan still
+blocks), so dcp is never slower than them in the cost model; after every pass below, the fcp
+strategy's own plan is weighed as it is too (on several nodes, and on one node where the plan is not
+within 5% of the bound, kept there by the bytes rule). A multi-node plan still
 ``SECOND_OPINION`` times the bound gets a second opinion: balanced again with its homes' inter-node
 sends priced as spread over their node's NICs (from "hierarchical", from "hierarchical" with each
 node's blocks that other nodes read dealt over its ranks, and from the homes of the kept plan and of
@@ -94,9 +96,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from .candidates import (BASELINE_INITS, _balanced, _initial_home, _lower_bound, _place, _relay_balanced, _restaged,
-                         _schedule_bytes, _scored, _staged, _time_floor, _with_transit, coarsening_factor,
-                         merged_home, moved_bytes, with_deferred_backward)
+from .candidates import (BASELINE_INITS, FCP_PLAN, _balanced, _initial_home, _lower_bound, _place, _relay_balanced,
+                         _restaged, _schedule_bytes, _scored, _staged, _time_floor, _with_transit,
+                         coarsening_factor, merged_home, moved_bytes, with_deferred_backward)
 from .cost_model import CostModel
 from .fanout import add_fanout
 from .placement import Placement, prefix_sums
@@ -297,6 +299,11 @@ WIDELY_READ = 0.5
 # 0.1-0.3% slower without the runner-up polish), planning +11% at 32 (32); without them no plan gained
 # (the question's homes were still computing more than their share: the forward waited on compute).
 FANOUT = True
+# Last of all, the fcp strategy's own plan as it is (FCP's homes, owner computes), kept where faster (on
+# one node only for a plan not within GOOD_ENOUGH of the bound, and where worth its bytes): 8 ranks on two
+# nodes, 5 of 21 plans of seed 0 faster (1.0176 -> 1.0162 geomean), seed 1 1.0267 -> 1.0244; a 16 / 8
+# Wikipedia causal batch 1.105 -> 1.075x the bound; no other bench plan changes.
+FCP_PLAN_LAST = True
 
 
 def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
@@ -321,7 +328,8 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     stages polished by a local search (planner/polish.py, planner/polish_bwd.py), where faster, and so has
     the best plan the passes beat if within POLISH_RUNNER_UP of it, and the deal pass's fastest plan that
     its bytes rule turned down (POLISH_BYTES_REJECTED; kept by the same rule); the re-plan's too; the
-    fastest kept."""
+    fastest kept. Then the fcp strategy's own plan as it is, where faster (on one node, only for a plan
+    not within GOOD_ENOUGH of the bound, and where worth its bytes)."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
     placement = _dcp_selected(tiles, world_size, cost_model, max_stages, sizes, init)
@@ -379,6 +387,20 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
                         max_stages=max_stages, polish=polish, **sizes)
             if again.sim_time < result.sim_time and _worth_its_bytes(tiles, again, result, sizes):
                 result = again
+    if (FCP_PLAN_LAST and init is None and world_size > 1
+            and (multi_node or result.sim_time > GOOD_ENOUGH * bound)):
+        # Last, the fcp strategy's own plan as it is (FCP's homes, every tile on its q-block's home):
+        # balancing its tiles away, as the "fcp" / "fcp-docs" starts do, can cost more transfers than
+        # the compute it evens out (8 ranks on two nodes, seed 0's Wikipedia causal batches: 1.020 ->
+        # 1.010x the bound). Checked last, not with the zigzag baselines above: adopted there, it
+        # left the later passes less to gain (two plans 1.025 -> 1.062x). Staged only where its busiest
+        # rank's compute leaves it a chance.
+        fcp_rank = _initial_home(tiles, world_size, "fcp-docs", cost_model, sizes)[tiles.q]
+        flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
+        if _time_floor(fcp_rank, flops, world_size, cost_model) < result.sim_time:
+            alt = _place(tiles, world_size, FCP_PLAN, cost_model, max_stages, sizes, relays=multi_node)[0]
+            if alt.sim_time < result.sim_time and (multi_node or _worth_its_bytes(tiles, alt, result, sizes)):
+                result = alt
     return result
 
 

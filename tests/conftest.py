@@ -75,3 +75,13 @@ def skip_polish(monkeypatch):
             monkeypatch.setattr(dcp_module, name, lambda tiles, placement, **kwargs: placement)
 
     return skip
+
+
+@pytest.fixture
+def skip_fcp_plan(monkeypatch):
+    """A function that, called, switches off dcp's last step, weighing the fcp strategy's own plan
+    (``FCP_PLAN_LAST``), for the rest of the test: for tests that measure what one earlier pass gains."""
+    def skip():
+        import blockattn.planner.dcp as dcp_module
+        monkeypatch.setattr(dcp_module, "FCP_PLAN_LAST", False)
+    return skip
