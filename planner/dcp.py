@@ -301,8 +301,8 @@ WIDELY_READ = 0.5
 FANOUT = True
 # Last of all, the fcp strategy's own plan as it is (FCP's homes, owner computes), kept where faster (on
 # one node only for a plan not within GOOD_ENOUGH of the bound, and where worth its bytes): 8 ranks on two
-# nodes, 5 of 21 plans of seed 0 faster (1.0176 -> 1.0162 geomean), seed 1 1.0267 -> 1.0244; a 16 / 8
-# Wikipedia causal batch 1.105 -> 1.075x the bound; no other bench plan changes.
+# nodes, 7 of 21 plans of seed 0 faster (1.0176 -> 1.0162 geomean), 4 of seed 1 (1.0267 -> 1.0244); a
+# 16 / 8 Wikipedia causal batch of seed 1 1.105 -> 1.075x the bound; no other plan of either changes.
 FCP_PLAN_LAST = True
 
 

@@ -73,10 +73,9 @@ def run_heads(key: np.ndarray) -> np.ndarray:
     return heads
 
 
-def argsort_small_ints(values: np.ndarray, bound: int | None = None) -> np.ndarray:
-    """Stable argsort of non-negative ints; below 2**16 (``bound``: an exclusive upper bound known to
-    the caller, else the maximum is read) they are radix-sorted as uint16, in O(n)."""
-    if values.size and (int(values.max()) + 1 if bound is None else bound) <= 2**16:
+def argsort_small_ints(values: np.ndarray) -> np.ndarray:
+    """Stable argsort of non-negative ints; below 2**16 they are radix-sorted as uint16, in O(n)."""
+    if values.size and int(values.max()) < 2**16:
         values = values.astype(np.uint16)
     return np.argsort(values, kind="stable")
 
