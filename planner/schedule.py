@@ -414,8 +414,9 @@ def check_plan(plan) -> None:
         fail(f"tile_stage out of range [0, {S})")
     if stage_bwd.shape != stage.shape or (stage_bwd.size and (stage_bwd.min() < 0 or stage_bwd.max() >= S)):
         fail(f"tile_stage_bwd must be [ntiles] stages in [0, {S})")
-    at_home = (home[q] == rank) & (home[kv] == rank)
-    if np.any((stage == 0) & ~at_home):
+    # (each tile's remote inputs, computed once: the checks below and the derived schedule read them)
+    remote_q, remote_kv = home[q] != rank, home[kv] != rank
+    if np.any((stage == 0) & (remote_q | remote_kv)):
         fail("a stage-0 tile reads a block its rank does not own")
 
     fwd = plan.schedule.fwd.numpy().astype(np.int64)
@@ -468,8 +469,7 @@ def check_plan(plan) -> None:
         pos = np.minimum(np.searchsorted(recv_key, key), recv_key.size - 1)
         return np.where(recv_key[pos] == key, recv_stage[pos], -1)
 
-    for kind, block in ((KIND_Q, q), (KIND_KV, kv)):
-        remote = home[block] != rank
+    for kind, block, remote in ((KIND_Q, q, remote_q), (KIND_KV, kv, remote_kv)):
         got = received_at((rank[remote] * 2 + kind) * nB + block[remote])
         if np.any(got < 0):
             fail(f"a tile's {KIND_NAMES[kind]} block never reaches its rank")
@@ -517,8 +517,10 @@ def check_plan(plan) -> None:
 
     if np.any((bwd[:, 3] == KIND_DO) & (bwd[:, 0] == 0)):
         fail("a DO transfer in stage 0 (backward inputs travel behind an earlier stage's compute)")
-    derived = derive_schedule(home, q, kv, rank, stage, num_blocks=nB, num_stages=S, world_size=P, kv_relay=relay,
-                              tile_stage_bwd=stage_bwd)
+    # (derive_schedule's steps, on the remote masks above)
+    groups = InputGroups(rank, q, kv, remote_q, remote_kv, nB)
+    derived = schedule_from_groups(home, *groups(stage), num_blocks=nB, num_stages=S, world_size=P, kv_relay=relay,
+                                   bwd_groups=groups(stage_bwd))
     for direction in ("fwd", "bwd"):
         if not torch.equal(derived.table(direction), plan.schedule.table(direction)):
             fail(f"{direction} schedule differs from the one derived from the placement")
