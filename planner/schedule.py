@@ -197,7 +197,7 @@ class InputGroups:
 def _grouping(rank: np.ndarray, block: np.ndarray, tiles: np.ndarray, num_blocks: int) -> tuple:
     """(tiles ordered by ``rank * nB + block``, each group's first position, each group's rank and
     block) of the given tile indices, as ``receive_groups`` orders its groups; read-only."""
-    key = rank[tiles] * num_blocks + block[tiles]
+    key = np.multiply(rank[tiles], num_blocks, dtype=np.int64) + block[tiles]  # (int32 inputs too)
     order = argsort_small_ints(key)
     key = key[order]
     heads = run_heads(key)
@@ -372,6 +372,12 @@ def dkv_routes(home, r, b, last, src, num_blocks: int, num_stages: int) -> tuple
     return dkv_dst, dkv_stage, _rows(stage, transit // num_blocks, home[block], KIND_DKV, block)
 
 
+def _int_array(tensor: torch.Tensor) -> np.ndarray:
+    """A plan's integer tensor as a numpy array, without a copy where it is int32 or int64."""
+    array = tensor.numpy()
+    return array if array.dtype in (np.int32, np.int64) else array.astype(np.int64)
+
+
 def check_plan(plan) -> None:
     """Raise PlanConsistencyError unless ``plan`` is internally consistent:
 
@@ -400,12 +406,13 @@ def check_plan(plan) -> None:
         if not np.array_equal(blocks.numpy().astype(np.int64), expect):
             fail(f"local_blocks[{r}] disagrees with block_home")
 
-    q = plan.tile_q.numpy().astype(np.int64)
-    kv = plan.tile_kv.numpy().astype(np.int64)
-    rank = plan.tile_rank.numpy().astype(np.int64)
-    stage = plan.tile_stage.numpy().astype(np.int64)
-    stage_bwd = plan.tile_stage_bwd.numpy().astype(np.int64)
-    key = q * nB + kv
+    # The per-tile arrays as they are (int32 in a built plan; keys below are computed in int64): five
+    # int64 copies of them were a third of this check's fresh pages, each page a fault on this VM.
+    q, kv, rank, stage, stage_bwd = (_int_array(t) for t in (plan.tile_q, plan.tile_kv, plan.tile_rank,
+                                                              plan.tile_stage, plan.tile_stage_bwd))
+    key = q.astype(np.int64)
+    key *= nB
+    key += kv
     if key.size and np.any(np.diff(key) <= 0):
         fail("tiles are not unique and sorted by (q, kv)")
     if rank.size and (rank.min() < 0 or rank.max() >= P):
@@ -470,7 +477,7 @@ def check_plan(plan) -> None:
         return np.where(recv_key[pos] == key, recv_stage[pos], -1)
 
     for kind, block, remote in ((KIND_Q, q, remote_q), (KIND_KV, kv, remote_kv)):
-        got = received_at((rank[remote] * 2 + kind) * nB + block[remote])
+        got = received_at((rank[remote].astype(np.int64) * 2 + kind) * nB + block[remote])
         if np.any(got < 0):
             fail(f"a tile's {KIND_NAMES[kind]} block never reaches its rank")
         if np.any(got > stage[remote]):
