@@ -240,18 +240,25 @@ def as_relay_table(kv_relay) -> np.ndarray:
     return arr
 
 
+def _int_array(values) -> np.ndarray:
+    """Integer indices (a numpy array or a CPU tensor) as a numpy array, without a copy where they are
+    int32 or int64 already (the callers compute their keys in int64)."""
+    array = values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+    return array if array.dtype in (np.int32, np.int64) else array.astype(np.int64)
+
+
 def derive_schedule(block_home, tile_q, tile_kv, tile_rank, tile_stage, *, num_blocks: int,
-                    num_stages: int, world_size: int, kv_relay=None, tile_stage_bwd=None) -> CommSchedule:
+                    num_stages: int, world_size: int, kv_relay=None, tile_stage_bwd=None,
+                    remote: tuple | None = None) -> CommSchedule:
     """Build the CommSchedule of a placement (numpy or torch int inputs); ``kv_relay`` rows
     ``(block, dst, src)`` make ``dst`` receive KV ``block`` from ``src`` (see the module docstring);
-    ``tile_stage_bwd`` gives the backward stages (default: the forward ones)."""
+    ``tile_stage_bwd`` gives the backward stages (default: the forward ones). ``remote``: the tiles'
+    (remote q, remote kv) masks where the caller has them (``home[q] != rank``, ``home[kv] != rank``)."""
     home = np.asarray(block_home, dtype=np.int64)
-    q = np.asarray(tile_q, dtype=np.int64)
-    kv = np.asarray(tile_kv, dtype=np.int64)
-    rank = np.asarray(tile_rank, dtype=np.int64)
-    stage = np.asarray(tile_stage, dtype=np.int64)
-    groups = InputGroups(rank, q, kv, home[q] != rank, home[kv] != rank, num_blocks)
-    bwd_groups = None if tile_stage_bwd is None else groups(np.asarray(tile_stage_bwd, dtype=np.int64))
+    q, kv, rank, stage = (_int_array(x) for x in (tile_q, tile_kv, tile_rank, tile_stage))
+    remote_q, remote_kv = (home[q] != rank, home[kv] != rank) if remote is None else remote
+    groups = InputGroups(rank, q, kv, remote_q, remote_kv, num_blocks)
+    bwd_groups = None if tile_stage_bwd is None else groups(_int_array(tile_stage_bwd))
     return schedule_from_groups(home, *groups(stage), num_blocks=num_blocks, num_stages=num_stages,
                                 world_size=world_size, kv_relay=kv_relay, bwd_groups=bwd_groups)
 
@@ -370,12 +377,6 @@ def dkv_routes(home, r, b, last, src, num_blocks: int, num_stages: int) -> tuple
     np.maximum.at(stage, of_child, dkv_stage[through] + 1)
     block = transit % num_blocks
     return dkv_dst, dkv_stage, _rows(stage, transit // num_blocks, home[block], KIND_DKV, block)
-
-
-def _int_array(tensor: torch.Tensor) -> np.ndarray:
-    """A plan's integer tensor as a numpy array, without a copy where it is int32 or int64."""
-    array = tensor.numpy()
-    return array if array.dtype in (np.int32, np.int64) else array.astype(np.int64)
 
 
 def check_plan(plan) -> None:
@@ -524,10 +525,8 @@ def check_plan(plan) -> None:
 
     if np.any((bwd[:, 3] == KIND_DO) & (bwd[:, 0] == 0)):
         fail("a DO transfer in stage 0 (backward inputs travel behind an earlier stage's compute)")
-    # (derive_schedule's steps, on the remote masks above)
-    groups = InputGroups(rank, q, kv, remote_q, remote_kv, nB)
-    derived = schedule_from_groups(home, *groups(stage), num_blocks=nB, num_stages=S, world_size=P, kv_relay=relay,
-                                   bwd_groups=groups(stage_bwd))
+    derived = derive_schedule(home, q, kv, rank, stage, num_blocks=nB, num_stages=S, world_size=P, kv_relay=relay,
+                              tile_stage_bwd=stage_bwd, remote=(remote_q, remote_kv))
     for direction in ("fwd", "bwd"):
         if not torch.equal(derived.table(direction), plan.schedule.table(direction)):
             fail(f"{direction} schedule differs from the one derived from the placement")
