@@ -240,7 +240,8 @@ def _place(tiles: TileSet, world_size: int, init: str | None, cost_model: CostMo
            sizes: dict, *, relays: bool = True, home: np.ndarray | None = None,
            relay_aware: bool = False, spread_sends: bool = False, nic_scale: float = 1.0) -> tuple[Placement, float]:
     """One dcp placement from an initial data placement (``init``, or with init None the given ``home``
-    itself), and its simulated fwd + bwd time (with node-level KV relays where they pay, unless ``relays`` is False).
+    itself; with init FCP_PLAN, ``home`` may give FCP's homes already computed), and its simulated
+    fwd + bwd time (with node-level KV relays where they pay, unless ``relays`` is False).
     ``relay_aware``: the balancer prices KV already on a target's node as NVLink traffic (and with
     ``spread_sends`` a home's inter-node KV sends as spread over its node's NICs). ``nic_scale``: the
     balancer alone sees the inter-node bandwidth times this (staging and scoring see the true one)."""
@@ -250,7 +251,7 @@ def _place(tiles: TileSet, world_size: int, init: str | None, cost_model: CostMo
         if init == FCP_PLAN:
             from .fcp import fcp
 
-            base = fcp(tiles, world_size, cost_model=cost_model, max_stages=max_stages, **sizes)
+            base = fcp(tiles, world_size, cost_model=cost_model, max_stages=max_stages, home=home, **sizes)
         else:
             base = (zigzag if init == "zigzag-ring" else allgather)(tiles, world_size)
         placement = finish_placement(tiles, base.block_home, base.tile_rank, base.tile_stage, world_size=world_size,

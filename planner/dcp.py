@@ -398,10 +398,11 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         # 1.010x the bound). Checked last, not with the zigzag baselines above: adopted there, it
         # left the later passes less to gain (two plans 1.025 -> 1.062x). Staged only where its busiest
         # rank's compute leaves it a chance.
-        fcp_rank = _initial_home(tiles, world_size, "fcp-docs", cost_model, sizes)[tiles.q]
+        fcp_home = _initial_home(tiles, world_size, "fcp-docs", cost_model, sizes)  # (fcp's own homes)
         flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
-        if _time_floor(fcp_rank, flops, world_size, cost_model) < result.sim_time:
-            alt = _place(tiles, world_size, FCP_PLAN, cost_model, max_stages, sizes, relays=multi_node)[0]
+        if _time_floor(fcp_home[tiles.q], flops, world_size, cost_model) < result.sim_time:
+            alt = _place(tiles, world_size, FCP_PLAN, cost_model, max_stages, sizes, relays=multi_node,
+                         home=fcp_home)[0]
             if alt.sim_time < result.sim_time and (multi_node or _worth_its_bytes(tiles, alt, result, sizes)):
                 result = alt
     return result

@@ -270,13 +270,15 @@ def _node_group(prefix: np.ndarray, across: np.ndarray, a: int, b: int, k_min: i
 
 
 def fcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
-        head_dim: int, element_size: int, max_stages: int, **_) -> Placement:
+        head_dim: int, element_size: int, max_stages: int, home: np.ndarray | None = None, **_) -> Placement:
     """FCP placement (see module docstring), segments cut at the blocks documents start in: FCP assigns
     *sequences* to groups. Cut by tile counts alone, packed documents that start inside blocks chain
     into long segments, cut into plain pieces whose heaviest ones are heavier than a rank's share (1M
-    tokens / 64 ranks of Wikipedia documents: compute imbalance 2.77, with document starts 1.13)."""
-    home = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
-                    documents=True)
+    tokens / 64 ranks of Wikipedia documents: compute imbalance 2.77, with document starts 1.13).
+    ``home``: those homes, where the caller has them already."""
+    if home is None:
+        home = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
+                        documents=True)
     rank = home[tiles.q]
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
     stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
