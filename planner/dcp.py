@@ -309,7 +309,7 @@ FCP_PLAN_LAST = True
 
 def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
         head_dim: int, element_size: int, max_stages: int, init: str | None = None, grad_element_size: int = 4,
-        polish: bool = True, polish_memo: dict | None = None, **_) -> Placement:
+        polish: bool = True, memo: dict | None = None, **_) -> Placement:
     """DCP placement (see module docstring). ``init`` forces one initial data placement ("contiguous",
     "hierarchical", "hierarchical-fcp", "hierarchical-fcp-wide", "zigzag", "fcp", "fcp-docs", "dealt",
     "dealt-nodes"); by default the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in
@@ -330,11 +330,12 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     the best plan the passes beat if within POLISH_RUNNER_UP of it, and the deal pass's fastest plan that
     its bytes rule turned down (POLISH_BYTES_REJECTED; kept by the same rule); the re-plan's too; the
     fastest kept. Then the fcp strategy's own plan as it is, where faster (on one node, only for a plan
-    not within GOOD_ENOUGH of the bound, and where worth its bytes). ``polish_memo``: the polished plans
-    of this call and its re-plans, by content (``_polished``)."""
+    not within GOOD_ENOUGH of the bound, and where worth its bytes). ``memo``: what this call and its
+    re-plans share, none of it read off the balancer settings a re-plan changes: the polished plans,
+    by content (``_polished``), and the fcp strategy's plan."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
-    memo = {} if polish_memo is None else polish_memo
+    memo = {} if memo is None else memo
     placement = _dcp_selected(tiles, world_size, cost_model, max_stages, sizes, init)
     if placement.sim_time is None and world_size <= cost_model.topology.ranks_per_node:
         return placement  # a large batch on one node, planned on merged blocks: NVLink-bound (see _dcp_selected)
@@ -381,13 +382,13 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     if replan:
         # planned again from the start with the balancer weighing exposed transfers (REPLAN_OVERLAP)
         again = dcp(tiles, world_size, cost_model=replace(cost_model, balance_overlap=REPLAN_OVERLAP),
-                    max_stages=max_stages, polish=polish, polish_memo=memo, **sizes)
+                    max_stages=max_stages, polish=polish, memo=memo, **sizes)
         if again.sim_time < result.sim_time:
             result = again
         if REPLAN_DUPLEX and not multi_node:
             # kept by the bytes rule too: the duplex view spreads the compute of blocks many ranks read
             again = dcp(tiles, world_size, cost_model=replace(cost_model, balance_duplex=True),
-                        max_stages=max_stages, polish=polish, polish_memo=memo, **sizes)
+                        max_stages=max_stages, polish=polish, memo=memo, **sizes)
             if again.sim_time < result.sim_time and _worth_its_bytes(tiles, again, result, sizes):
                 result = again
     if (FCP_PLAN_LAST and init is None and world_size > 1
@@ -401,8 +402,10 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         fcp_home = _initial_home(tiles, world_size, "fcp-docs", cost_model, sizes)  # (fcp's own homes)
         flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
         if _time_floor(fcp_home[tiles.q], flops, world_size, cost_model) < result.sim_time:
-            alt = _place(tiles, world_size, FCP_PLAN, cost_model, max_stages, sizes, relays=multi_node,
-                         home=fcp_home)[0]
+            if FCP_PLAN not in memo:  # (staged once per call and its re-plans: no balancer setting enters it)
+                memo[FCP_PLAN] = _place(tiles, world_size, FCP_PLAN, cost_model, max_stages, sizes,
+                                        relays=multi_node, home=fcp_home)[0]
+            alt = memo[FCP_PLAN]
             if alt.sim_time < result.sim_time and (multi_node or _worth_its_bytes(tiles, alt, result, sizes)):
                 result = alt
     return result
