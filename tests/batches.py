@@ -16,6 +16,18 @@ def long_tail_docs(seed: int, total: int) -> list[int]:
     return [n for n in lens if n > 0]
 
 
+def short_docs(seed: int, total: int) -> list[int]:
+    """Log-normal document lengths (median ~550 tokens, a few over 10K) summing to ``total``: many
+    short documents, as in Wikipedia batches, which FCP packs whole onto ranks."""
+    rng = np.random.default_rng(seed)
+    out, used = [], 0
+    while used < total:
+        n = int(min(max(1, rng.lognormal(6.3, 1.3)), total - used))
+        out.append(n)
+        used += n
+    return out
+
+
 def shared_question_answers(seed: int, total: int) -> tuple[int, list[int]]:
     """(question length, answer lengths) of a shared-question batch of ``total`` tokens: a question of
     256-2047 tokens and 4-39 answers cut at random points of the rest."""

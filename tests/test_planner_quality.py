@@ -12,7 +12,7 @@ from blockattn.masks import MaskSpec
 from blockattn.planner import CostModel, Topology, clear_plan_cache, make_plan
 from blockattn.planner.schedule import KIND_KV, payload_bytes
 
-from batches import long_tail_docs
+from batches import long_tail_docs, short_docs
 
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)  # Llama-3-8B attention: compute-bound tiles
 SIZES = dict(HEADS, element_size=2, grad_element_size=4)  # dcp's payload sizes: bf16 inputs, fp32 partials
@@ -225,24 +225,12 @@ def test_dcp_never_slower_than_the_zigzag_baselines(world_size, ranks_per_node):
     assert times["dcp"] <= min(times["zigzag"], times["allgather"]) * (1 + 1e-9), times
 
 
-def _short_documents(seed: int, total: int) -> list[int]:
-    """Log-normal document lengths (median ~550 tokens, a few over 10K) summing to ``total``: many
-    short documents, as in Wikipedia batches, which FCP packs whole onto ranks."""
-    rng = np.random.default_rng(seed)
-    out, used = [], 0
-    while used < total:
-        n = int(min(max(1, rng.lognormal(6.3, 1.3)), total - used))
-        out.append(n)
-        used += n
-    return out
-
-
 @pytest.mark.parametrize("seed", [1, 7])
 def test_dcp_never_slower_than_the_fcp_strategys_plan_on_several_nodes(seed):
     # 8 ranks on two nodes, many short documents: the fcp strategy's plan (every tile on its q-block's
     # home) was 1.032x the bound on both batches, dcp's balanced candidates 1.050x and 1.115x; dcp
     # now weighs fcp's plan as it is last (planner/dcp.py)
-    spec = MaskSpec.documents(_short_documents(seed, 131072))
+    spec = MaskSpec.documents(short_docs(seed, 131072))
     topo = Topology(ranks_per_node=4)
     over = {strategy: _over_bound(make_plan(spec, 8, strategy=strategy, block_size=128, topology=topo,
                                             **HEADS).stats())
