@@ -102,6 +102,7 @@ from .candidates import (BASELINE_INITS, FCP_PLAN, _balanced, _initial_home, _lo
                          coarsening_factor, merged_home, moved_bytes, with_deferred_backward)
 from .cost_model import CostModel
 from .fanout import add_fanout
+from .fcp import strategy_home
 from .placement import Placement, prefix_sums
 from .polish import polish_forward
 from .polish_bwd import polish_backward
@@ -399,7 +400,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         # 1.010x the bound). Checked last, not with the zigzag baselines above: adopted there, it
         # left the later passes less to gain (two plans 1.025 -> 1.062x). Staged only where its busiest
         # rank's compute leaves it a chance.
-        fcp_home = _initial_home(tiles, world_size, "fcp-docs", cost_model, sizes)  # (fcp's own homes)
+        fcp_home = strategy_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
         flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
         if _time_floor(fcp_home[tiles.q], flops, world_size, cost_model) < result.sim_time:
             if FCP_PLAN not in memo:  # (staged once per call and its re-plans: no balancer setting enters it)

@@ -195,6 +195,18 @@ def test_fcp_groups_a_heavy_document_among_short_ones_that_start_inside_blocks()
     assert stats["transfers"]["Q"] == 0 and stats["transfers"]["OUT"] == 0
 
 
+@pytest.mark.parametrize("world_size", [24, 32])
+def test_fcp_cuts_heavy_rows_into_pieces_of_at_most_a_ranks_share(world_size):
+    # causal_blockwise: the last rows read every earlier block, and the segment's pieces of cap / 4
+    # blocks made its heaviest piece 2.3-2.4 ranks' shares (rows too few for zigzag pairs to even out);
+    # cut where a piece reaches one share, the packing has pieces it can balance
+    spec = MaskSpec.causal_blockwise(32768, block=1024, k_local=2)
+    stats = make_plan(spec, world_size, strategy="fcp", block_size=32, topology=FAST, **HEADS).stats()
+    assert stats["compute_imbalance"] <= 1.55, stats["compute_imbalance"]
+    assert stats["memory_imbalance"] <= 1.01, stats["memory_imbalance"]
+    assert stats["transfers"]["Q"] == 0 and stats["transfers"]["OUT"] == 0
+
+
 def test_dcp_relays_a_shared_question_once_per_node():
     # every answer reads the question: without relays its home sends one copy per remote rank
     spec = MaskSpec.shared_question(512, [384] * 12)
