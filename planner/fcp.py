@@ -13,7 +13,7 @@ Notation (docs/design.md): nB blocks, P ranks, tile (qb, kb); M = mean per-rank 
    inside the document) when that evens the pieces out (rows that grow along a causal document),
    so each group member gets equal compute and reads only the KV before its chunks. Other
    segments longer than ``cap / PIECES_PER_RANK`` blocks are cut into pieces of that size (in the
-   fcp strategy also of at most a rank's share of compute, ``strategy_home``).
+   fcp strategy also of at most 3/4 of a rank's share of compute, ``strategy_home``).
    With node bins (``bin_ranks``, the dcp "hierarchical" placements) a segment that fits a node
    stays whole, and a heavier one is cut into k contiguous compute-balanced parts, k chosen by the
    cost model between what memory needs and what compute asks: the estimated time
@@ -45,7 +45,7 @@ from .tiles import TileSet, boundary_crossings
 
 SEGMENT_CUT = 2  # a boundary crossed by at most this many tiles separates two segments
 PIECES_PER_RANK = 4  # long segments are cut into pieces of cap / 4 blocks
-PIECE_SHARE = 1.0  # the fcp strategy's pieces: at most this many ranks' shares of compute (``strategy_home``)
+PIECE_SHARE = 0.75  # the fcp strategy's pieces: at most this many ranks' shares of compute (``strategy_home``)
 SEGMENT_AFFINITY = 0.25  # a rank already holding the segment is preferred within 25% of M of the least loaded
 NODE_AFFINITY = 0.10  # else a rank on the segment's node is preferred within 10% of M
 PAIR_SLACK = 0.1  # zigzag pairs are used when the heaviest is within 10% of the segment's mean piece
@@ -284,11 +284,11 @@ def strategy_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num
     """The fcp strategy's homes: ``fcp_home`` with segments cut at document starts and no plain piece
     heavier than PIECE_SHARE of a rank's compute where a block allows. A long document's last rows,
     in too few blocks for zigzag pairs to even out, were cut by size alone: the bench's causal_blockwise
-    batch on 32 ranks of one NVLink domain planned at 2.49x the bound, now 1.54x (over the bench's 252 fcp
-    plans of two draws 43 faster, 3 slower, all three NIC-bound on 32 ranks at 8 per node; geomean
-    1.55 -> 1.48x). dcp's "fcp" / "fcp-docs" starts keep plain pieces (``fcp_home``'s default): the
-    balancer evens such pieces out, and with the bound dcp's plans moved either way (seed 1: 6 faster,
-    10 slower); dcp's last check weighs this plan (one of 252 faster, the others the same)."""
+    batch on 32 ranks of one NVLink domain planned at 2.49x the bound, now 1.39x (over the bench's 252
+    fcp plans of two draws 45 faster, 5 slower, all on several nodes, where fcp's plans are NIC-bound;
+    geomean 1.55 -> 1.46x; docs/planner_log.md). dcp's "fcp" / "fcp-docs" starts keep plain pieces
+    (``fcp_home``'s default): the balancer evens such pieces out, and with the bound dcp's plans moved
+    either way; dcp's last check weighs this plan."""
     return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
                     documents=True, piece_share=PIECE_SHARE)
 
