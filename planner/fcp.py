@@ -138,7 +138,8 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     shared_question batches over the benchmark cases, so the dcp candidates use both). ``documents``:
     segments cut after the blocks documents start in (``segments``). ``cut_links``: the inter-node links
     a cut's KV is priced as spread over (1: one NIC; a node's NICs where relays and transit relays
-    spread it, planner/relay.py)."""
+    spread it, planner/relay.py). ``piece_share``: plain pieces are also cut where they reach this many
+    bins' shares of compute (the fcp strategy's ``strategy_home``; zigzag pairs and node parts are not)."""
     nB = tiles.num_blocks
     weight = np.ones(world_size) if bin_ranks is None else np.asarray(bin_ranks, dtype=np.float64)
     P = weight.size

@@ -198,7 +198,7 @@ def test_fcp_groups_a_heavy_document_among_short_ones_that_start_inside_blocks()
 @pytest.mark.parametrize("world_size", [24, 32])
 def test_fcp_cuts_heavy_rows_into_pieces_lighter_than_a_ranks_share(world_size):
     # causal_blockwise: the last rows read every earlier block, and the segment's pieces of cap / 4
-    # blocks made its heaviest piece 2.3-2.4 ranks' shares (rows too few for zigzag pairs to even out);
+    # blocks (rows too few for zigzag pairs to even out) left its heaviest rank at 2.3-2.4x the mean;
     # cut where a piece reaches 3/4 of a share, the packing has pieces it can balance (1.24-1.26)
     spec = MaskSpec.causal_blockwise(32768, block=1024, k_local=2)
     stats = make_plan(spec, world_size, strategy="fcp", block_size=32, topology=FAST, **HEADS).stats()
