@@ -333,7 +333,8 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     fastest kept. Then the fcp strategy's own plan as it is, where faster (on one node, only for a plan
     not within GOOD_ENOUGH of the bound, and where worth its bytes). ``memo``: what this call and its
     re-plans share, none of it read off the balancer settings a re-plan changes: the polished plans,
-    by content (``_polished``), and the fcp strategy's plan."""
+    by content (``_polished``), and the fcp strategy's plan. The result records the steps that ran, each
+    with its kept plan's simulated time (``Placement.search``, shown by ``Plan.explain``)."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
     memo = {} if memo is None else memo
@@ -341,6 +342,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     if placement.sim_time is None and world_size <= cost_model.topology.ranks_per_node:
         return placement  # a large batch on one node, planned on merged blocks: NVLink-bound (see _dcp_selected)
     result = with_deferred_backward(tiles, placement, world_size, cost_model, sizes)
+    steps = [("candidates", placement.sim_time), ("backward deferral", result.sim_time)]  # (``Placement.search``)
     bound = _lower_bound(tiles, world_size, cost_model, sizes)
     multi_node = world_size > cost_model.topology.ranks_per_node
     beaten = []
@@ -348,11 +350,13 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     if init is None and multi_node and result.sim_time > NIC_SHY_FROM * bound:
         before = result
         result = _nic_passes(tiles, result, world_size, cost_model, max_stages, sizes, bound)
+        steps.append(("NIC-shy and spread passes", result.sim_time))
         if result is not before:
             beaten.append(before)
     if init is None and world_size > 1 and result.sim_time > DEAL_PASS_FROM * bound:
         before = result
         result, turned_down = _deal_pass(tiles, result, world_size, cost_model, max_stages, sizes)
+        steps.append(("deal pass", result.sim_time))
         if result is not before:
             beaten.append(before)
     replan_from = REPLAN_FROM if multi_node else REPLAN_FROM_ONE_NODE
@@ -369,6 +373,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
             if alt.sim_time < result.sim_time:
                 beaten.append(result)
                 result = alt
+        steps.append(("fan-out", result.sim_time))
     if polish and init is None and (multi_node or result.sim_time > POLISH_FROM_ONE_NODE * bound):
         # last, on the kept plan and the runner-up (every choice above compares plans as staged); the
         # re-plan below is decided on the time before it, and its plan is polished too
@@ -380,18 +385,21 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
             alt = _polished(tiles, turned_down, world_size, cost_model, sizes, memo)
             if alt.sim_time < result.sim_time and _worth_its_bytes(tiles, alt, result, sizes):
                 result = alt
+        steps.append(("polish", result.sim_time))
     if replan:
         # planned again from the start with the balancer weighing exposed transfers (REPLAN_OVERLAP)
         again = dcp(tiles, world_size, cost_model=replace(cost_model, balance_overlap=REPLAN_OVERLAP),
                     max_stages=max_stages, polish=polish, memo=memo, **sizes)
         if again.sim_time < result.sim_time:
             result = again
+        steps.append(("re-plan weighing exposed transfers", result.sim_time))
         if REPLAN_DUPLEX and not multi_node:
             # kept by the bytes rule too: the duplex view spreads the compute of blocks many ranks read
             again = dcp(tiles, world_size, cost_model=replace(cost_model, balance_duplex=True),
                         max_stages=max_stages, polish=polish, memo=memo, **sizes)
             if again.sim_time < result.sim_time and _worth_its_bytes(tiles, again, result, sizes):
                 result = again
+            steps.append(("re-plan with duplex links", result.sim_time))
     if (FCP_PLAN_LAST and init is None and world_size > 1
             and (multi_node or result.sim_time > GOOD_ENOUGH * bound)):
         # Last, the fcp strategy's own plan as it is (FCP's homes, every tile on its q-block's home):
@@ -409,7 +417,8 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
             alt = memo[FCP_PLAN]
             if alt.sim_time < result.sim_time and (multi_node or _worth_its_bytes(tiles, alt, result, sizes)):
                 result = alt
-    return result
+            steps.append(("the fcp strategy's plan", result.sim_time))
+    return replace(result, search=tuple(steps))
 
 
 def _polished(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, sizes: dict,

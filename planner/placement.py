@@ -27,6 +27,9 @@ class Placement:
     # relay scorer starts from it instead of choosing it again, where it fits (a later step may have
     # changed the stages).
     bwd_choice: object = None
+    # dcp: the search's steps that ran, in order, as (step, simulated fwd + bwd seconds of the plan kept
+    # after it); planner/dcp.py ``dcp``, shown by ``Plan.explain``
+    search: tuple = ()
 
 
 def balanced_bounds(num_blocks: int, parts: int) -> np.ndarray:

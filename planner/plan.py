@@ -49,6 +49,10 @@ class Plan:
     tile_stage_bwd: torch.Tensor | None = None
     # dtype of the dQ / dK / dV partials on the wire (summed in fp32 at the home)
     grad_comm_dtype: torch.dtype = torch.float32
+    # dcp: its search's steps, as (step, simulated fwd + bwd seconds of the plan kept after it), in the
+    # order they ran (planner/dcp.py); how the plan was found, not what it is, so not in ``fingerprint``.
+    # Empty for the other strategies and for a large one-node batch planned on merged blocks (not scored)
+    search: tuple = ()
 
     def __post_init__(self):
         if self.tile_stage_bwd is None:
@@ -146,7 +150,7 @@ class Plan:
 
     # ------------------------------------------------------------------ identity
     def fingerprint(self) -> str:
-        """sha256 hex over every field (same on every process and Python hash seed)."""
+        """sha256 hex over every field but ``search`` (same on every process and Python hash seed)."""
         h = hashlib.sha256()
         scalars = (self.strategy, self.world_size, self.total_len, self.block_size, self.num_blocks,
                    self.num_q_heads, self.num_kv_heads, self.head_dim, str(self.dtype), self.mask_signature,
@@ -245,6 +249,10 @@ class Plan:
             f"  sim time (H200 model): fwd {s['sim_time_fwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_fwd'] * 1e3:.3f}),"
             f" bwd {s['sim_time_bwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_bwd'] * 1e3:.3f})",
         ]
+        if self.search:  # each step's kept plan, fwd + bwd over the lower bound
+            bound = s["lower_bound_fwd"] + s["lower_bound_bwd"]
+            lines.append("  search (fwd + bwd over the bound): "
+                         + ", ".join(f"{step} {seconds / bound:.3f}" for step, seconds in self.search))
         return "\n".join(lines)
 
     def __repr__(self) -> str:

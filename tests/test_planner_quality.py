@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -137,6 +139,23 @@ def test_explain_mentions_balance_bytes_and_stages():
     s = plan.stats()
     assert sum(s["bytes_sent_fwd"]) == sum(s["bytes_recv_fwd"]) == s["bytes_fwd"]
     assert s["bytes_inter_node_fwd"] == s["bytes_inter_node_bwd"] == 0 and "between nodes" not in text  # (one node)
+
+
+def test_explain_shows_dcps_search_steps_which_never_slow_the_plan():
+    # two nodes of 4: the passes run; each step keeps the faster plan, and the last is the plan itself
+    spec = MaskSpec.documents([9000, 3000, 500, 20000, 700, 1200, 30000])
+    plan = make_plan(spec, 8, block_size=64, topology=Topology(ranks_per_node=4), **HEADS)
+    names = [step for step, _ in plan.search]
+    assert names[:2] == ["candidates", "backward deferral"] and len(names) == len(set(names)), names
+    seconds = [t for _, t in plan.search]
+    assert all(b <= a for a, b in zip(seconds, seconds[1:])), plan.search
+    s = plan.stats()
+    assert seconds[-1] == pytest.approx(s["sim_time_fwd"] + s["sim_time_bwd"], rel=1e-9)
+    assert "search (fwd + bwd over the bound): candidates" in plan.explain()
+    # how the plan was found is not part of what it is
+    assert dataclasses.replace(plan, search=()).fingerprint() == plan.fingerprint()
+    fcp = make_plan(spec, 8, block_size=64, strategy="fcp", topology=Topology(ranks_per_node=4), **HEADS)
+    assert fcp.search == () and "search" not in fcp.explain()
 
 
 def test_stats_count_the_bytes_between_nodes():
