@@ -338,11 +338,16 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
     memo = {} if memo is None else memo
-    placement = _dcp_selected(tiles, world_size, cost_model, max_stages, sizes, init)
+    steps = []  # (``Placement.search``)
+    placement = _dcp_selected(tiles, world_size, cost_model, max_stages, sizes, init, steps)
     if placement.sim_time is None and world_size <= cost_model.topology.ranks_per_node:
-        return placement  # a large batch on one node, planned on merged blocks: NVLink-bound (see _dcp_selected)
+        # a large batch on one node, planned on merged blocks: NVLink-bound (see _dcp_selected); its
+        # fine plan is scored by make_plan (None: the plan's own time)
+        return replace(placement, search=(("candidates", None),))
+    if not steps:
+        steps.append(("candidates", placement.sim_time))
     result = with_deferred_backward(tiles, placement, world_size, cost_model, sizes)
-    steps = [("candidates", placement.sim_time), ("backward deferral", result.sim_time)]  # (``Placement.search``)
+    steps.append(("backward deferral", result.sim_time))
     bound = _lower_bound(tiles, world_size, cost_model, sizes)
     multi_node = world_size > cost_model.topology.ranks_per_node
     beaten = []
@@ -563,8 +568,10 @@ def _spread_homes(tiles: TileSet, placement: Placement, world_size: int, topolog
 
 
 def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
-                  init: str | None) -> Placement:
-    """dcp's plan before ``with_deferred_backward``: the candidates planned, compared and refined."""
+                  init: str | None, steps: list | None = None) -> Placement:
+    """dcp's plan before ``with_deferred_backward``: the candidates planned, compared and refined.
+    ``steps``: where the scored steps are appended as (step, simulated fwd + bwd seconds)."""
+    steps = [] if steps is None else steps
     one_node = world_size <= cost_model.topology.ranks_per_node
     bound = _lower_bound(tiles, world_size, cost_model, sizes)
     transit = not one_node and init is None
@@ -578,6 +585,7 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         # fewest bytes (causal_blockwise, 16 ranks / 8 per node: hot rows pushed per kv-rank at 1.0419x
         # the bound with 4.96 GB, per kv-node 1.0367x with 11.8 GB, mostly KV over NVLink)
         result = _fewest_bytes(tiles, firsts, GOOD_ENOUGH * bound, sizes)
+        steps.append(("candidates", result.sim_time))
     else:
         result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
     if init is not None or world_size == 1 or (one_node and coarsening_factor(tiles, world_size) > 1):
@@ -586,12 +594,15 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
     # so dcp is never slower than them in the cost model - also after planning on merged blocks, the
     # candidate preselection, or on batches so small that per-stage latency dominates.
     result = _scored(tiles, result, world_size, cost_model, sizes)
+    if one_node:
+        steps.append(("candidates", result.sim_time))
     if one_node and result.sim_time <= GOOD_ENOUGH * bound:
         return result  # one node, near the bound: nothing to gain
     if one_node:
         # restaged as the multi-node finalists are, kept where faster (32 ranks on one NVLink domain,
         # Wikipedia batches with bf16 partials: 1.32 -> 1.22, 1.23 -> 1.20, 1.10 -> 1.03 x the bound)
         result = _restaged(tiles, result, world_size, cost_model, max_stages, sizes)
+        steps.append(("restaging", result.sim_time))
     factor = coarsening_factor(tiles, world_size)
     for name in BASELINE_INITS:
         if factor > 1:
@@ -603,6 +614,7 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         base, base_time = _place(tiles, world_size, name, cost_model, max_stages, sizes)
         if base_time < result.sim_time:
             result = _with_transit(tiles, base, world_size, cost_model, sizes) if transit else base
+    steps.append(("zigzag baselines", result.sim_time))
     if not one_node and result.sim_time > SECOND_OPINION * bound:
         # seeded with the homes of the kept plan and of every first-pass finalist: a slower first plan's
         # homes may balance better with spread sends (32 ranks, a long-tail shared-question batch: 1.459x
@@ -611,6 +623,7 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         # node's sends ("hierarchical-spread")
         seeds = [result.block_home] + [first.block_home for first in firsts]
         result = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, seeds)
+        steps.append(("second opinion", result.sim_time))
     return result
 
 

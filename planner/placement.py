@@ -28,7 +28,7 @@ class Placement:
     # changed the stages).
     bwd_choice: object = None
     # dcp: the search's steps that ran, in order, as (step, simulated fwd + bwd seconds of the plan kept
-    # after it); planner/dcp.py ``dcp``, shown by ``Plan.explain``
+    # after it, or None where not scored); planner/dcp.py ``dcp``, shown by ``Plan.explain``
     search: tuple = ()
 
 

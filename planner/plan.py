@@ -50,8 +50,8 @@ class Plan:
     # dtype of the dQ / dK / dV partials on the wire (summed in fp32 at the home)
     grad_comm_dtype: torch.dtype = torch.float32
     # dcp: its search's steps, as (step, simulated fwd + bwd seconds of the plan kept after it), in the
-    # order they ran (planner/dcp.py); how the plan was found, not what it is, so not in ``fingerprint``.
-    # Empty for the other strategies and for a large one-node batch planned on merged blocks (not scored)
+    # order they ran (planner/dcp.py; None: not scored there, this plan's own time); how the plan was
+    # found, not what it is, so not in ``fingerprint``. Empty for the other strategies
     search: tuple = ()
 
     def __post_init__(self):
@@ -249,10 +249,10 @@ class Plan:
             f"  sim time (H200 model): fwd {s['sim_time_fwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_fwd'] * 1e3:.3f}),"
             f" bwd {s['sim_time_bwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_bwd'] * 1e3:.3f})",
         ]
-        if self.search:  # each step's kept plan, fwd + bwd over the lower bound
-            bound = s["lower_bound_fwd"] + s["lower_bound_bwd"]
-            lines.append("  search (fwd + bwd over the bound): "
-                         + ", ".join(f"{step} {seconds / bound:.3f}" for step, seconds in self.search))
+        if self.search:  # each step's kept plan, fwd + bwd over the lower bound (None: this plan's)
+            bound, final = s["lower_bound_fwd"] + s["lower_bound_bwd"], s["sim_time_fwd"] + s["sim_time_bwd"]
+            lines.append("  search (fwd + bwd over the bound): " + ", ".join(
+                f"{step} {(final if seconds is None else seconds) / bound:.3f}" for step, seconds in self.search))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
