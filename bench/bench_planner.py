@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from blockattn.masks import MaskSpec
 from blockattn.planner import Topology, clear_plan_cache, make_plan
+from blockattn.planner.dcp import SEARCH_STEPS
 from blockattn.planner.baselines import ring_rotation_bytes
 from blockattn.planner.tiles import TileSet
 
@@ -140,6 +141,39 @@ def summarize(stats: dict) -> dict:
     return {k: stats[k] for k in keys}
 
 
+def search_over_bound(plan) -> list:
+    """dcp's search (``Plan.search``) as [step, fwd + bwd over the lower bound of the plan kept after it]."""
+    s = plan.stats()
+    bound, final = s["lower_bound_fwd"] + s["lower_bound_bwd"], s["sim_time_fwd"] + s["sim_time_bwd"]
+    return [[step, (final if seconds is None else seconds) / bound] for step, seconds in plan.search]
+
+
+def search_by_configuration(results: list) -> dict:
+    """Per world size / ranks per node and per step of dcp's search (in the order they run, SEARCH_STEPS): the
+    plans it ran on, those it made faster, and its gain on those (geomean of the kept plan's time
+    before over after, minus one)."""
+    out = {}
+    for P, rpn in sorted({(r["world_size"], r["ranks_per_node"]) for r in results}):
+        steps = {}
+        for r in results:
+            if (r["world_size"], r["ranks_per_node"]) != (P, rpn):
+                continue
+            before = None
+            for step, ratio in r.get("dcp_search", []):
+                e = steps.setdefault(step, {"ran": 0, "faster": 0, "log_gain": 0.0})
+                e["ran"] += 1
+                if before is not None and ratio < before * (1 - 1e-9):
+                    e["faster"] += 1
+                    e["log_gain"] += math.log(before / ratio)
+                before = ratio
+        order = sorted(steps, key=lambda step: SEARCH_STEPS.index(step) if step in SEARCH_STEPS else len(SEARCH_STEPS))
+        out[f"{P}/{rpn}"] = {step: {"ran": steps[step]["ran"], "faster": steps[step]["faster"],
+                                    "gain_when_faster": (math.exp(steps[step]["log_gain"] / steps[step]["faster"]) - 1
+                                                         if steps[step]["faster"] else 0.0)}
+                             for step in order}
+    return out
+
+
 def time_planning(spec: MaskSpec, world_size: int, strategy: str, repeats: int, grad_comm_dtype) -> dict:
     t0 = time.perf_counter()
     bm = spec.block_mask(BLOCK)
@@ -203,6 +237,8 @@ def main() -> None:
             plan = make_plan(spec, P, strategy=strategy, block_size=BLOCK, topology=topo,
                              grad_comm_dtype=grad, **HEADS)
             entry["strategies"][strategy] = summarize(plan.stats())
+            if strategy == "dcp":
+                entry["dcp_search"] = search_over_bound(plan)
             if strategy == "zigzag":
                 entry["strategies"]["zigzag-ring"] = literal_zigzag_ring(plan, topo)
         clear_plan_cache()
@@ -241,6 +277,7 @@ def main() -> None:
               "summary": summary(results),
               "by_configuration": by_configuration(results),
               "by_mask_and_configuration": by_mask_and_configuration(results),
+              "dcp_search_by_configuration": search_by_configuration(results),
               "step_over_lower_bound_by_nic_speed": nic}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -406,6 +443,11 @@ def print_report(report: dict) -> None:
                  f"{c['speedup_vs_zigzag_ring_geomean']:.2f} ({c['speedup_vs_zigzag_ring_min']:.2f})"
                  for cfg, c in per_cfg.items() if cfg != "dcp_paper_low_end"]
         print(f"{mask:18s} paper {per_cfg['dcp_paper_low_end']}: " + "; ".join(cells))
+    print("dcp's search, per configuration: step faster / ran (gain when faster)")
+    for cfg, steps in report["dcp_search_by_configuration"].items():
+        print(f"{cfg:10s} " + "; ".join(f"{step} {e['faster']}/{e['ran']}"
+                                         + (f" (+{100 * e['gain_when_faster']:.1f}%)" if e["faster"] else "")
+                                         for step, e in steps.items()))
     for e in report["step_over_lower_bound_by_nic_speed"]:
         print(f"long-tail batch {e['batch']} causal_docs 32/8: fwd+bwd / bound {e['nic_400gbps']:.3f} at 400 Gb/s, "
               f"{e['nic_as_nvlink']:.3f} with the NIC as fast as NVLink")

@@ -306,6 +306,11 @@ FANOUT = True
 # nodes, 7 of 21 plans of seed 0 faster (1.0176 -> 1.0162 geomean), 4 of seed 1 (1.0267 -> 1.0244); a
 # 16 / 8 Wikipedia causal batch of seed 1 1.105 -> 1.075x the bound; no other plan of either changes.
 FCP_PLAN_LAST = True
+# The steps dcp records in ``Placement.search`` (``Plan.explain``), in the order they run; each runs only
+# where its condition holds (see ``dcp``)
+SEARCH_STEPS = ("candidates", "restaging", "zigzag baselines", "second opinion", "backward deferral",
+                "NIC-shy and spread passes", "deal pass", "fan-out", "polish", "re-plan weighing exposed transfers",
+                "re-plan with duplex links", "the fcp strategy's plan")
 
 
 def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,

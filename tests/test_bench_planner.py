@@ -88,3 +88,25 @@ def test_by_mask_and_configuration_speedups_per_mask_and_configuration():
     assert c["speedup_vs_zigzag_ring_min"] == pytest.approx(4.0)
     assert c["zigzag_ring_over_lower_bound_geomean"] == pytest.approx(8.0)  # 8 / 2 and 32 / 2
     assert out["causal_docs"]["8/8"]["speedup_vs_zigzag_geomean"] == pytest.approx(2.0)
+
+
+def test_search_by_configuration_counts_the_steps_that_made_a_plan_faster():
+    bench = _bench_planner()
+    results = [
+        {"world_size": 16, "ranks_per_node": 4,
+         "dcp_search": [["candidates", 1.5], ["backward deferral", 1.2], ["polish", 1.2]]},
+        {"world_size": 16, "ranks_per_node": 4,
+         "dcp_search": [["candidates", 1.1], ["backward deferral", 1.1], ["polish", 1.0]]},
+        {"world_size": 16, "ranks_per_node": 4,  # (a step first seen later still takes its place)
+         "dcp_search": [["candidates", 1.0], ["backward deferral", 1.0], ["deal pass", 1.0], ["polish", 1.0]]},
+        {"world_size": 8, "ranks_per_node": 8, "dcp_search": [["candidates", 1.02]]},
+    ]
+    summary = bench.search_by_configuration(results)
+    assert list(summary) == ["8/8", "16/4"]
+    steps = summary["16/4"]
+    assert list(steps) == ["candidates", "backward deferral", "deal pass", "polish"]  # in the order they run
+    assert steps["candidates"] == {"ran": 3, "faster": 0, "gain_when_faster": 0.0}
+    assert steps["backward deferral"]["ran"] == 3 and steps["backward deferral"]["faster"] == 1
+    assert steps["backward deferral"]["gain_when_faster"] == pytest.approx(0.25)  # 1.5 / 1.2
+    assert steps["polish"]["faster"] == 1 and steps["polish"]["gain_when_faster"] == pytest.approx(0.1)
+    assert summary["8/8"] == {"candidates": {"ran": 1, "faster": 0, "gain_when_faster": 0.0}}
