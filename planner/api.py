@@ -196,4 +196,5 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
         tile_q=as32(tiles.q), tile_kv=as32(tiles.kv), tile_full=torch.from_numpy(tiles.full.copy()),
         tile_rank=as32(rank), tile_stage=as32(stage), num_stages=num_stages, schedule=schedule,
         tile_pairs=torch.from_numpy(tiles.pairs.astype(np.int64)), cost_model=cost_model, kv_relay=as32(relay),
-        tile_stage_bwd=as32(stage_bwd), search=tuple((str(step), None if t is None else float(t)) for step, t in placement.search))
+        tile_stage_bwd=as32(stage_bwd),
+        search=tuple((str(step), None if t is None else float(t)) for step, t in placement.search))
