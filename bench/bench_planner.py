@@ -141,13 +141,6 @@ def summarize(stats: dict) -> dict:
     return {k: stats[k] for k in keys}
 
 
-def search_over_bound(plan) -> list:
-    """dcp's search (``Plan.search``) as [step, fwd + bwd over the lower bound of the plan kept after it]."""
-    s = plan.stats()
-    bound, final = s["lower_bound_fwd"] + s["lower_bound_bwd"], s["sim_time_fwd"] + s["sim_time_bwd"]
-    return [[step, (final if seconds is None else seconds) / bound] for step, seconds in plan.search]
-
-
 def search_by_configuration(results: list) -> dict:
     """Per world size / ranks per node and per step of dcp's search (in the order they run, SEARCH_STEPS): the
     plans it ran on, those it made faster, and its gain on those (geomean of the kept plan's time
@@ -238,7 +231,7 @@ def main() -> None:
                              grad_comm_dtype=grad, **HEADS)
             entry["strategies"][strategy] = summarize(plan.stats())
             if strategy == "dcp":
-                entry["dcp_search"] = search_over_bound(plan)
+                entry["dcp_search"] = plan.search_over_bound()
             if strategy == "zigzag":
                 entry["strategies"]["zigzag-ring"] = literal_zigzag_ring(plan, topo)
         clear_plan_cache()

@@ -306,6 +306,7 @@ FANOUT = True
 # nodes, 7 of 21 plans of seed 0 faster (1.0176 -> 1.0162 geomean), 4 of seed 1 (1.0267 -> 1.0244); a
 # 16 / 8 Wikipedia causal batch of seed 1 1.105 -> 1.075x the bound; no other plan of either changes.
 FCP_PLAN_LAST = True
+FCP_HOME = "fcp-home"  # (the memo's key of the fcp strategy's homes and their compute floor)
 # The steps dcp records in ``Placement.search`` (``Plan.explain``), in the order they run; each runs only
 # where its condition holds (see ``dcp``)
 SEARCH_STEPS = ("candidates", "restaging", "zigzag baselines", "second opinion", "backward deferral",
@@ -418,10 +419,15 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         # 1.010x the bound). Checked last, not with the zigzag baselines above: adopted there, it
         # left the later passes less to gain (two plans 1.025 -> 1.062x). Staged only where its busiest
         # rank's compute leaves it a chance.
-        fcp_home = strategy_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
-        flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
-        if _time_floor(fcp_home[tiles.q], flops, world_size, cost_model) < result.sim_time:
-            if FCP_PLAN not in memo:  # (staged once per call and its re-plans: no balancer setting enters it)
+        # (its homes, compute floor and plan once per call and its re-plans: no balancer setting enters them)
+        if FCP_HOME not in memo:
+            fcp_home = strategy_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads,
+                                     head_dim=head_dim)
+            flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
+            memo[FCP_HOME] = fcp_home, _time_floor(fcp_home[tiles.q], flops, world_size, cost_model)
+        fcp_home, floor = memo[FCP_HOME]
+        if floor < result.sim_time:
+            if FCP_PLAN not in memo:
                 memo[FCP_PLAN] = _place(tiles, world_size, FCP_PLAN, cost_model, max_stages, sizes,
                                         relays=multi_node, home=fcp_home)[0]
             alt = memo[FCP_PLAN]

@@ -171,6 +171,7 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
             group[seg], node_cuts[seg] = _node_group(prefix, across, bounds[seg], bounds[seg + 1], int(k_mem[seg]),
                                                      int(group[seg]), mean, bin_w, cost_model, cut_links)
     cost = prefix.tolist()
+    heaviest = piece_share * mean * bin_w  # (inf by default: plain pieces cut by size alone)
     heap = []
     for seg, (a, b, k) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), group.tolist())):
         if seg in node_cuts:  # contiguous parts: each node reads only the KV before its part
@@ -187,7 +188,6 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
                 continue
         # node bins: a segment that fits one node stays whole (a split across nodes costs a slow link)
         step = b - a if bin_ranks is not None and k <= 1 else piece
-        heaviest = piece_share * mean * bin_w
         s = a
         while s < b:
             e = min(b, s + step)

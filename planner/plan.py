@@ -249,11 +249,17 @@ class Plan:
             f"  sim time (H200 model): fwd {s['sim_time_fwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_fwd'] * 1e3:.3f}),"
             f" bwd {s['sim_time_bwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_bwd'] * 1e3:.3f})",
         ]
-        if self.search:  # each step's kept plan, fwd + bwd over the lower bound (None: this plan's)
-            bound, final = s["lower_bound_fwd"] + s["lower_bound_bwd"], s["sim_time_fwd"] + s["sim_time_bwd"]
-            lines.append("  search (fwd + bwd over the bound): " + ", ".join(
-                f"{step} {(final if seconds is None else seconds) / bound:.3f}" for step, seconds in self.search))
+        if self.search:
+            lines.append("  search (fwd + bwd over the bound): "
+                         + ", ".join(f"{step} {ratio:.3f}" for step, ratio in self.search_over_bound()))
         return "\n".join(lines)
+
+    def search_over_bound(self) -> list:
+        """``search`` as [step, fwd + bwd time of the plan kept after it over the lower bound] (a step
+        with no time of its own: this plan's)."""
+        s = self._stats
+        bound, final = s["lower_bound_fwd"] + s["lower_bound_bwd"], s["sim_time_fwd"] + s["sim_time_bwd"]
+        return [[step, (final if seconds is None else seconds) / bound] for step, seconds in self.search]
 
     def __repr__(self) -> str:
         return (f"Plan(strategy={self.strategy!r}, world_size={self.world_size}, total_len={self.total_len}, "
