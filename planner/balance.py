@@ -49,6 +49,12 @@ read while it reads others' KV in the same exchanges: on 32 ranks of one node, t
 document's first blocks sat at max(C, X) = X ~ C with 1.13x the mean compute, where the duplex view
 lets them shed it (1.02x). Neither view wins everywhere; dcp re-plans its slow one-node plans with it
 too (planner/dcp.py REPLAN_DUPLEX).
+
+``level_nodes`` (several nodes): a node whose mean compute is still over the mean after the rounds
+(its excess would cost more NIC time to shed than it saves) then levels its own ranks: the same moves,
+with the node's mean and cap and targets on the node only. Without it the donors stop at the global
+cap, so a node at 1.07x the mean kept one rank at 1.27x while its node-mates sat at the cap. dcp
+weighs it in a pass of its own (planner/dcp.py LEVEL_PASS).
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ class Balancer:
     def __init__(self, tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology, *,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, grad_element_size: int = 4,
                  relay_aware: bool = False, spread_sends: bool = False, start: np.ndarray | None = None,
-                 overlap: float = 0.0, duplex: bool = False):
+                 overlap: float = 0.0, duplex: bool = False, level_nodes: bool = False):
         P, nB = world_size, tiles.num_blocks
         self.t, self.home, self.c, self.P, self.nB = tiles, home, compute, P, nB
         self.node = topology.node_of(np.arange(P))
@@ -83,6 +89,8 @@ class Balancer:
         self.spread_sends = spread_sends and self.relay_aware
         self.overlap = float(overlap)
         self.duplex = bool(duplex)
+        self.level_nodes = bool(level_nodes) and self.multi_node
+        self._only_node = None  # (``_level_nodes``: targets on this node only)
         lens = tiles.block_lengths()
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                      grad_element_size=grad_element_size)
@@ -334,7 +342,32 @@ class Balancer:
                 progress |= not stuck[r]
             if not progress:
                 break
+        if self.level_nodes:
+            self._level_nodes(by_rank, bounds)
         return self.rank
+
+    def _level_nodes(self, by_rank: np.ndarray, bounds: np.ndarray) -> None:
+        """``level_nodes``: inside every node whose mean compute is still over the mean (shedding more
+        of its work would cost more NIC time than it saves), shed from its ranks over the node's mean
+        to node-mates under it, as above with the node's mean and cap: the node's busiest rank then
+        carries about the node's mean, not whatever its homes left it."""
+        mean, cap = self.mean, self.cap
+        try:
+            for n in range(self.num_nodes):
+                ranks = np.arange(self.node_start[n], self.node_start[n] + self.node_size[n])
+                node_mean = float(self.C[ranks].mean())
+                if node_mean <= mean:
+                    continue
+                self.mean, self.cap, self._only_node = node_mean, node_mean * (1 + BALANCE_SLACK), n
+                for r in ranks[np.argsort(-self.C[ranks], kind="stable")].tolist():
+                    if self.C[r] <= self.cap:
+                        break
+                    mine = by_rank[bounds[r]:bounds[r + 1]]
+                    mine = mine[self.rank[mine] == r]
+                    self._shed_rows(r, mine)
+                    self._shed_rectangles(r, mine[self.rank[mine] == r])
+        finally:
+            self.mean, self.cap, self._only_node = mean, cap, None
 
     def _shed_rows(self, r: int, mine: np.ndarray) -> None:
         """Rows of r's tiles to kv-homes under the mean (only Q + OUT move), largest rows first."""
@@ -349,6 +382,8 @@ class Balancer:
         mine_rows, kv_home_rows = mine[order], kv_home[order]
         homes = np.flatnonzero(np.bincount(kv_home, minlength=self.P))
         homes = homes[(homes != r) & (self.C[homes] < self.mean)]
+        if self._only_node is not None:
+            homes = homes[self.node[homes] == self._only_node]
         homes = homes[self._target_order(homes, r)]
         failed = 0
         for t in homes.tolist():
@@ -363,6 +398,8 @@ class Balancer:
         node, where a target may fail for its own transfers (e.g. it homes blocks many ranks read): a
         more loaded one with less transfer time than every failed one is still tried."""
         under = np.flatnonzero(self.C < self.mean)
+        if self._only_node is not None:
+            under = under[self.node[under] == self._only_node]
         targets = under[self._target_order(under, r)]
         if targets.size == 0 or mine.size == 0:
             return

@@ -287,7 +287,7 @@ def _balanced(tiles: TileSet, world_size: int, init: str | None, cost_model: Cos
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
     rank = balanced_ranks(tiles, home, flops / cost_model.fwd_rate, world_size, topology, start=start,
                           relay_aware=relay_aware, spread_sends=spread_sends, overlap=cost_model.balance_overlap,
-                          duplex=cost_model.balance_duplex,
+                          duplex=cost_model.balance_duplex, level_nodes=cost_model.balance_level_nodes,
                           **sizes)
     return home, rank
 

@@ -83,6 +83,9 @@ class CostModel:
     # ... and with balance_duplex, a rank's transfers as each link's busier direction (sends or receives)
     # instead of their sum (planner/balance.py ``duplex``).
     balance_duplex: bool = False
+    # ... and with balance_level_nodes, a node over the balancer's cap then levels its own ranks
+    # (planner/balance.py ``level_nodes``).
+    balance_level_nodes: bool = False
 
     def tile_flops(self, pairs, *, num_q_heads: int, head_dim: int) -> np.ndarray:
         """Forward FLOPs of tiles with ``pairs`` unmasked (q, k) pairs."""

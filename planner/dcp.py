@@ -301,6 +301,23 @@ WIDELY_READ = 0.5
 # 0.1-0.3% slower without the runner-up polish), planning +11% at 32 (32); without them no plan gained
 # (the question's homes were still computing more than their share: the forward waited on compute).
 FANOUT = True
+# A multi-node plan still over LEVEL_FROM x the bound after the deal pass is weighed against its homes
+# balanced again with every node whose mean compute is over the mean then leveling its own ranks
+# (planner/balance.py ``level_nodes``; ``_level_pass``), refined as the second opinion's starts are; kept
+# where faster. The balancer fills targets up to its cap over the whole batch: a node that cannot shed
+# its excess over its NICs keeps it on whichever of its ranks hold it, while its node-mates sit at the
+# cap (the held-out worst plan, 32 / 8: one rank at 1.27x the mean on a node at 1.07x). Fwd + bwd over
+# the bound, the 84 multi-node plans per draw: seed 0 (the bench's batches) 8 faster, 1 slower (16 / 8
+# 1.0267 -> 1.0244, 16 / 4 1.0500 -> 1.0426, a lambda plan 1.084 -> 1.024; the slower 1.017 -> 1.031:
+# the deal pass's turned-down plan, polished, is not worth its bytes against the polished leveled plan,
+# as it was against the plan before); held out, seed 1, 10 faster (32 / 8 1.1431 ->
+# 1.1365, its worst plan 1.426 -> 1.367 through the re-plan, whose passes level too), seed 777, 8 faster
+# (32 / 8 1.1330 -> 1.1264, worst 1.358 -> 1.314); 1M tokens / 64 ranks, one of six batches 1.171 ->
+# 1.102. Planning +4-5% (seed 0, 32 / 8 and 16 / 4, runs alternated). The leveling always on in every
+# balancer instead: seed 1 12 faster but 8 slower (a 32 / 8 plan 1.33 -> 1.42). With the deal pass's
+# bytes rule: 3 of the 26 gains kept (its moves are rows to node-mates, over NVLink).
+LEVEL_PASS = True
+LEVEL_FROM = 1.05
 # Last of all, the fcp strategy's own plan as it is (FCP's homes, owner computes), kept where faster (on
 # one node only for a plan not within GOOD_ENOUGH of the bound, and where worth its bytes): 8 ranks on two
 # nodes, 7 of 21 plans of seed 0 faster (1.0176 -> 1.0162 geomean), 4 of seed 1 (1.0267 -> 1.0244); a
@@ -310,7 +327,8 @@ FCP_HOME = "fcp-home"  # (the memo's key of the fcp strategy's homes and their c
 # The steps dcp records in ``Placement.search`` (``Plan.explain``), in the order they run; each runs only
 # where its condition holds (see ``dcp``)
 SEARCH_STEPS = ("candidates", "restaging", "zigzag baselines", "second opinion", "backward deferral",
-                "NIC-shy and spread passes", "deal pass", "fan-out", "polish", "re-plan weighing exposed transfers",
+                "NIC-shy and spread passes", "deal pass", "leveling pass", "fan-out", "polish",
+                "re-plan weighing exposed transfers",
                 "re-plan with duplex links", "the fcp strategy's plan")
 
 
@@ -326,7 +344,9 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     slower (NIC_SHY_SCALES), and then against its homes with the blocks other nodes read dealt over their
     node's ranks (``_spread_homes``), in rounds (``_nic_passes``); then (one node too, from DEAL_PASS_FROM x
     the bound) against homes with each node's heavy document pieces (on one node also its widely read
-    blocks, WIDELY_READ) dealt over its ranks (``_deal_pass``); a one-node plan then against itself with
+    blocks, WIDELY_READ) dealt over its ranks (``_deal_pass``); on several nodes then (from LEVEL_FROM x the
+    bound) against its homes balanced with every node over the cap leveling its own ranks (``_level_pass``);
+    a one-node plan then against itself with
     its widely read KV fanned out through its first readers (FANOUT, planner/fanout.py).
     A plan still slower than REPLAN_FROM x the bound (REPLAN_FROM_ONE_NODE on one node) is planned again
     with every balancer weighing exposed transfers (REPLAN_OVERLAP), and on one node again with every
@@ -368,6 +388,12 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         before = result
         result, turned_down = _deal_pass(tiles, result, world_size, cost_model, max_stages, sizes)
         steps.append(("deal pass", result.sim_time))
+        if result is not before:
+            beaten.append(before)
+    if LEVEL_PASS and init is None and multi_node and result.sim_time > LEVEL_FROM * bound:
+        before = result
+        result = _level_pass(tiles, result, world_size, cost_model, max_stages, sizes)
+        steps.append(("leveling pass", result.sim_time))
         if result is not before:
             beaten.append(before)
     replan_from = REPLAN_FROM if multi_node else REPLAN_FROM_ONE_NODE
@@ -447,7 +473,8 @@ def _polished(tiles: TileSet, placement: Placement, world_size: int, cost_model:
     key = None
     if memo is not None:
         key = (_content_key(placement), placement.sim_time, world_size,
-               replace(cost_model, balance_overlap=0.0, balance_duplex=False), tuple(sorted(sizes.items())))
+               replace(cost_model, balance_overlap=0.0, balance_duplex=False, balance_level_nodes=False),
+               tuple(sorted(sizes.items())))
         if key in memo:
             return memo[key]
     polished = polish_forward(tiles, placement, world_size=world_size, cost_model=cost_model, sizes=sizes)
@@ -518,6 +545,17 @@ def _deal_pass(tiles: TileSet, result: Placement, world_size: int, cost_model: C
     if turned_down is not None and turned_down.sim_time >= result.sim_time:
         turned_down = None
     return result, turned_down
+
+
+def _level_pass(tiles: TileSet, result: Placement, world_size: int, cost_model: CostModel, max_stages: int,
+                sizes: dict) -> Placement:
+    """``result`` or, where it simulates faster, its homes balanced again with every node still over the
+    balancer's cap then leveling its own ranks (planner/balance.py ``level_nodes``), refined as the second
+    opinion's starts are (spread sends, transit relays, backward deferral). As the NIC-shy passes, no
+    bytes rule: the leveling moves work over NVLink only (with the deal pass's rule, 3 of the 26 plans it
+    made faster on three draws stayed faster)."""
+    return _second_opinion(tiles, result, world_size, replace(cost_model, balance_level_nodes=True), max_stages,
+                           sizes, [result.block_home], opinion_inits=(), deferred=True)
 
 
 def _worth_its_bytes(tiles: TileSet, alt: Placement, result: Placement, sizes: dict) -> bool:

@@ -216,3 +216,28 @@ def _balanced_peak(docs: list, ranks_per_node: int, **pricing) -> float:
     rank = Balancer(tiles, home, compute, 8, cm.topology, **pricing, **sizes).run()
     load = np.bincount(rank, weights=compute, minlength=8)
     return load.max() / load.mean()
+
+
+def test_a_node_over_the_cap_levels_its_own_ranks_with_level_nodes():
+    """A 12K-token document fills the first of two nodes, whose NICs are too slow to shed any of it to
+    the other node. Its contiguous homes leave the node's last rank with ~1.4x the node's mean compute;
+    with ``level_nodes`` the node's ranks even out among themselves over NVLink (the busiest within 3%
+    of the node's mean), and no tile changes node."""
+    from blockattn.planner.balance import Balancer
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.documents([12000] + [300] * 40).block_mask(128))
+    topology = Topology(ranks_per_node=4, inter_bw=1e9)
+    cost_model = CostModel(topology=topology)
+    home = (np.arange(tiles.num_blocks) * 8) // tiles.num_blocks
+    seconds = cost_model.tile_flops(tiles.pairs, num_q_heads=HEADS["num_q_heads"],
+                                    head_dim=HEADS["head_dim"]) / cost_model.fwd_rate
+    ranks = {level: Balancer(tiles, home, seconds, 8, topology, level_nodes=level, **SIZES).run()
+             for level in (False, True)}
+    node_load = {level: np.bincount(rank, weights=seconds, minlength=8).reshape(2, 4)
+                 for level, rank in ranks.items()}
+    node_mean = node_load[True][0].mean()
+    assert node_load[False][0].max() > 1.3 * node_mean, node_load[False]
+    assert node_load[True][0].max() < 1.03 * node_mean, node_load[True]
+    assert np.allclose(node_load[True].sum(axis=1), node_load[False].sum(axis=1))
+    assert np.array_equal(ranks[True] // 4, ranks[False] // 4)
