@@ -63,6 +63,19 @@ def skip_deal_pass(monkeypatch):
 
 
 @pytest.fixture
+def skip_level_pass(monkeypatch):
+    """A function that, called, switches off dcp's leveling pass (the kept homes balanced again with each
+    node over the cap leveling its own ranks, ``LEVEL_PASS``) for the rest of the test."""
+
+    def skip():
+        import blockattn.planner.dcp as dcp_module
+
+        monkeypatch.setattr(dcp_module, "LEVEL_PASS", False)
+
+    return skip
+
+
+@pytest.fixture
 def skip_polish(monkeypatch):
     """A function that, called, switches off dcp's forward and backward polish (planner/polish.py,
     planner/polish_bwd.py: the last steps on the kept plan) for the rest of the test: for tests that

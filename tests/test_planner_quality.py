@@ -968,12 +968,13 @@ def test_one_large_node_splits_the_backward_stages_where_faster(monkeypatch, ski
     assert split < 0.98 * step_over_bound()
 
 
-def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferral, skip_deal_pass, skip_polish):
+def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferral, skip_deal_pass, skip_level_pass,
+                                              skip_polish):
     """A 12K-token document in 24K tokens on three nodes of two ranks: the first plan is ~1.9x the
     bound, so dcp plans again with spread sends (from SECOND_OPINION_INITS and from the first plan's
     homes), gives the finalists within RECHECK of the fastest their transit relays, and keeps the
     fastest plan, here a second-opinion one, consistent. (Without the final backward deferral and the
-    NIC-shy, spread and deal passes after it, which would change the plan compared.)"""
+    NIC-shy, spread, deal and leveling passes after it, which would change the plan compared.)"""
     skip_polish()  # (measured without the last step, the forward polish)
     from blockattn.planner import check_plan, clear_plan_cache
     from blockattn.planner import dcp as dcp_module
@@ -983,6 +984,7 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferra
     monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
     skip_deal_pass()
+    skip_level_pass()
 
     spec = MaskSpec.documents([12000, 2552, 2127, 2171, 1288, 2650, 578, 1210])
     topo = Topology(ranks_per_node=2)
@@ -1038,7 +1040,8 @@ def test_second_opinion_seeds_merged_blocks_only_with_whole_homes():
     assert counts.max() - counts.min() <= dcp_module.coarsening_factor(tiles, 4)
 
 
-def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch, skip_replan, skip_deal_pass):
+def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch, skip_replan, skip_deal_pass,
+                                                                  skip_level_pass):
     """The second opinion starts from the homes of the kept plan and of every first-pass finalist (a
     slower first plan's homes may balance better with spread sends), each distinct start planned once."""
     from blockattn.planner import dcp as dcp_module
@@ -1069,6 +1072,7 @@ def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch, sk
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)  # (and so does the spread pass, from spread homes)
     skip_replan()  # (the re-plan would seed its own second opinion)
     skip_deal_pass()  # (and so would the deal pass, from dealt homes)
+    skip_level_pass()  # (and the leveling pass, from the kept homes)
     dcp_module.dcp(tiles, 6, cost_model=cm, max_stages=4, **sizes)
     assert len(seeds) == 1  # (the first plan is over SECOND_OPINION x the bound)
     for first in firsts:
