@@ -347,8 +347,8 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     the bound) against homes with each node's heavy document pieces (on one node also its widely read
     blocks, WIDELY_READ) dealt over its ranks (``_deal_pass``); on several nodes then (from LEVEL_FROM x the
     bound) against its homes balanced with every node over the cap leveling its own ranks (``_level_pass``);
-    a one-node plan then against itself with
-    its widely read KV fanned out through its first readers (FANOUT, planner/fanout.py).
+    a one-node plan then against itself with its widely read KV fanned out through its first readers
+    (FANOUT, planner/fanout.py).
     A plan still slower than REPLAN_FROM x the bound (REPLAN_FROM_ONE_NODE on one node) is planned again
     with every balancer weighing exposed transfers (REPLAN_OVERLAP), and on one node again with every
     balancer taking a link's busier direction for a rank's transfers (REPLAN_DUPLEX, where worth its

@@ -163,11 +163,10 @@ def test_explain_shows_dcps_search_steps_which_never_slow_the_plan():
     assert merged.search == (("candidates", None),) and "search (fwd + bwd over the bound): candidates" in merged.explain()
 
 
-def test_the_leveling_pass_evens_out_the_ranks_of_a_node_over_its_share(monkeypatch):
+def test_the_leveling_pass_evens_out_the_ranks_of_a_node_over_its_share(skip_level_pass):
     """Two nodes of four, a long-tail batch whose long documents leave a node over its share of compute:
     the leveling pass (its homes balanced again, each node over the cap leveling its own ranks) makes
     the plan faster where it runs, and the final plan is faster than without it."""
-    from blockattn.planner import dcp as dcp_module
 
     def over_bound(plan):
         s = plan.stats()
@@ -181,7 +180,7 @@ def test_the_leveling_pass_evens_out_the_ranks_of_a_node_over_its_share(monkeypa
     seconds = [t for _, t in plan.search]
     i = steps.index("leveling pass")
     assert seconds[i] < 0.99 * seconds[i - 1], plan.search
-    monkeypatch.setattr(dcp_module, "LEVEL_PASS", False)
+    skip_level_pass()
     clear_plan_cache()
     without = make_plan(spec, 8, block_size=128, topology=topology, **HEADS)
     assert "leveling pass" not in [step for step, _ in without.search]
