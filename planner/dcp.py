@@ -317,6 +317,8 @@ FANOUT = True
 # balancer instead: seed 1 12 faster but 8 slower (a 32 / 8 plan 1.33 -> 1.42). With the deal pass's
 # bytes rule: 3 of the 26 gains kept (its moves are rows to node-mates, over NVLink). From 1.0x the
 # bound: seed 0 three more plans faster (16 / 4 1.0426 -> 1.0417), for a pass on nearly every plan.
+# Part of the gain is the second balancing itself, with spread sends (most of seed 0's 16 / 4 gain; none
+# of seed 1's): see docs/planner_log.md.
 LEVEL_PASS = True
 LEVEL_FROM = 1.05
 # Last of all, the fcp strategy's own plan as it is (FCP's homes, owner computes), kept where faster (on
