@@ -103,11 +103,11 @@ from .candidates import (BASELINE_INITS, FCP_PLAN, _balanced, _initial_home, _lo
 from .cost_model import CostModel
 from .fanout import add_fanout
 from .fcp import strategy_home
-from .placement import Placement, prefix_sums
+from .placement import Placement, compact_stages, prefix_sums
 from .polish import polish_forward
 from .polish_bwd import polish_backward
 from .relay import add_relays
-from .schedule import KIND_KV, as_relay_table
+from .schedule import KIND_KV, as_relay_table, derive_schedule_merged
 from .starts import deal_blocks, deal_heavy_pieces, hot_rows, spread_read_blocks
 from .tiles import TileSet, coarsen
 
@@ -727,18 +727,22 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
             # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
             # inputs, so they are home / received by that stage; the schedule is derived afresh.
             # On one node the backward stages are inherited too (the same reasoning: a fine tile's dO
-            # is part of its merged tile's), so make_plan derives the fine schedule once instead of
-            # choosing the backward staging again over every fine tile: 50 one-node 128K / 8 plans
-            # on merged blocks 15-40% faster, fwd + bwd over the bound within +-0.06% (geomean 1.0158 ->
-            # 1.0159). On several nodes every fine plan is finished and scored again anyway.
+            # is part of its merged tile's), so the fine schedule is derived once, from the merged tiles
+            # (``_with_merged_schedule``), instead of make_plan choosing the backward staging again over
+            # every fine tile: 50 one-node 128K / 8 plans on merged blocks 15-40% faster, fwd + bwd over
+            # the bound within +-0.06% (geomean 1.0158 -> 1.0159). On several nodes every fine plan is
+            # finished and scored again anyway.
             inherit = world_size <= cost_model.topology.ranks_per_node and plan.tile_stage_bwd is not None
             fine = Placement(block_home=plan.block_home[np.arange(tiles.num_blocks) // factor],
                              tile_rank=plan.tile_rank[of_fine], tile_stage=plan.tile_stage[of_fine],
                              tile_stage_bwd=plan.tile_stage_bwd[of_fine] if inherit else None)
             # relays found on merged blocks do not carry over (the fine schedule is derived afresh)
+            unrelayed = fine
             if relays:
                 fine = add_relays(tiles, fine, world_size=world_size, cost_model=cost_model, max_stages=max_stages,
                                   sizes=sizes)
+            if inherit and fine is unrelayed:
+                fine = _with_merged_schedule(tiles, coarse, of_fine, factor, fine, plan, world_size)
             fines.append(fine)
         return fines if every_finalist else fines[0]
     if second_opinion is not None:
@@ -807,6 +811,23 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
         return sorted((placement for placement, _ in finalists if placement.sim_time <= RECHECK * fastest),
                       key=lambda placement: placement.sim_time)
     return min(finalists, key=lambda item: item[0].sim_time)[0]
+
+
+def _with_merged_schedule(tiles: TileSet, coarse: TileSet, of_fine: np.ndarray, factor: int, fine: Placement,
+                          plan: Placement, world_size: int) -> Placement:
+    """``fine`` (real tiles with the merged ``plan``'s ranks and both stages, no relays) with its schedule,
+    derived from the merged tiles (planner/schedule.py ``derive_schedule_merged``) where its stages are
+    compact already, as make_plan would have them; else as it is (make_plan derives it). Same schedules
+    (126 one-node plans of three draws on 8 and 32 ranks); runs alternated, min of 7: the long-tail
+    128K / 8 batches 13.9 / 10.7 / 15.8 -> 13.0 / 10.3 / 14.7 ms, a 213K-tile Wikipedia one 21.4 -> 19.3 ms,
+    batches merged 2x (40-90K tiles) within noise."""
+    stage, num_stages = compact_stages(plan.tile_stage)
+    if not np.array_equal(stage, plan.tile_stage):
+        return fine
+    schedule = derive_schedule_merged(tiles, coarse, of_fine, factor, plan.block_home, plan.tile_rank,
+                                      plan.tile_stage, plan.tile_stage_bwd, num_stages=num_stages,
+                                      world_size=world_size)
+    return replace(fine, schedule=schedule)
 
 
 def _distinct_inits(tiles: TileSet, inits: list, world_size: int, cost_model: CostModel, sizes: dict) -> list:

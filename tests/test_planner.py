@@ -229,3 +229,29 @@ def test_coarsen_merges_tiles_as_a_dictionary_of_merged_pairs_does(spec, block, 
     assert merged.full.tolist() == [full[k] == factor * factor for k in keys]
     assert np.array_equal(merged.q[of_fine], tiles.q // factor)
     assert np.array_equal(merged.kv[of_fine], tiles.kv // factor)
+
+
+@SETTINGS
+@given(spec=masks(), world_size=st.integers(1, 7), block=st.sampled_from([16, 32]), factor=st.sampled_from([2, 4, 8]),
+       seed=st.integers(0, 2**16))
+def test_a_schedule_derived_from_merged_tiles_equals_the_one_derived_from_every_real_tile(
+        spec, world_size, block, factor, seed):
+    """``derive_schedule_merged`` (a one-node plan on merged blocks: each real (rank, block) input from
+    the merged tiles that cover its row or column) gives exactly ``derive_schedule``'s tables for the real
+    tiles under random merged homes, ranks and both stages, lengths not a multiple of the merged block."""
+    from blockattn.planner.schedule import derive_schedule, derive_schedule_merged
+    from blockattn.planner.tiles import TileSet, _coarsen
+
+    tiles = TileSet.from_block_mask(spec.block_mask(block))
+    merged, of_fine = _coarsen(tiles, factor)
+    rng = np.random.default_rng(seed)
+    home = rng.integers(0, world_size, merged.num_blocks)
+    rank = rng.integers(0, world_size, merged.num_tiles)
+    stage, stage_bwd = rng.integers(0, 4, merged.num_tiles), rng.integers(0, 4, merged.num_tiles)
+    got = derive_schedule_merged(tiles, merged, of_fine, factor, home, rank, stage, stage_bwd, num_stages=4,
+                                 world_size=world_size)
+    want = derive_schedule(home[np.arange(tiles.num_blocks) // factor], tiles.q, tiles.kv, rank[of_fine],
+                           stage[of_fine], num_blocks=tiles.num_blocks, num_stages=4, world_size=world_size,
+                           tile_stage_bwd=stage_bwd[of_fine])
+    assert torch.equal(got.fwd, want.fwd) and torch.equal(got.bwd, want.bwd)
+    assert got.num_stages == want.num_stages and got.world_size == want.world_size
