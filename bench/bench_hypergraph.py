@@ -5,7 +5,7 @@ three long-tail batches; causal-document, lambda, shared-question and causal-blo
 8 ranks (one node), 16 (8 and 4 per node) and 32 (8 per node). Per case and strategy (dcp,
 hypergraph, zigzag): simulated forward + backward time over the lower bound, compute imbalance,
 bytes in all and between nodes, and the planning time of one cold plan. Both placements are staged
-and completed by the same code (planner/stages.py, relays on several nodes), so only the placement
+and completed by the same code (planner/stages.py, planner/finish.py, relays on several nodes), so only the placement
 differs. Summary per configuration: geomeans of the time over the bound and of the bytes against
 dcp's, median planning time.
 

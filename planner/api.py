@@ -14,10 +14,10 @@ import torch
 
 from . import baselines, dcp, fcp, hypergraph
 from .cost_model import CostModel, Topology
+from .finish import finish_placement
 from .placement import Placement, compact_stages, positions_by_key
 from .plan import Plan
 from .schedule import as_relay_table, check_plan, derive_schedule
-from .stages import finish_placement
 from .tiles import TileSet, forget_tile_sets
 
 DEFAULT_BLOCK_SIZE = 128
@@ -174,7 +174,7 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
     relay = as_relay_table(placement.kv_relay)
     schedule, stage_bwd = placement.schedule, placement.tile_stage_bwd
     if stage_bwd is None:
-        # backward stages by what each tile sends and needs (planner/stages.py), local tiles spread
+        # backward stages by what each tile sends and needs (planner/stages_bwd.py), local tiles spread
         # where the backward's transfers would be exposed; the forward stages stay as planned
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize)

@@ -20,10 +20,12 @@ import numpy as np
 
 from .balance import balanced_ranks, pushed_rows
 from .cost_model import CostModel
+from .finish import Finisher, finish_placement
 from .placement import Placement
 from .relay import add_relays, add_transit
 from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, payload_bytes, row_bytes
-from .stages import Finisher, assign_stages, defer_backward_groups, defer_variant_sets, finish_placement
+from .stages import assign_stages
+from .stages_bwd import defer_backward_groups, defer_variant_sets
 from .starts import contiguous_cut_home, dealt_home, hierarchical_home, spread_read_blocks
 from .tiles import TileSet
 
@@ -66,7 +68,7 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
     the bound, fp32 partials (51 of 95 plans faster, none slower): 16 / 4 1.117 -> 1.081, 32 / 8
     1.324 -> 1.186, 32 (32) 1.086 -> 1.057, 16 / 8 1.045 -> 1.036; bf16 partials (24 of 76 faster,
     none slower): 32 / 8 1.193 -> 1.156. ``node_local`` (several nodes): the rounds followed a second time
-    with node-local variants too (planner/stages.py ``DEFER_VARIANT_SETS``), the faster kept; over the
+    with node-local variants too (planner/stages_bwd.py ``DEFER_VARIANT_SETS``), the faster kept; over the
     63 multi-node cases of the bench's batches (seed 0), held-out ones (seeds 1, 777) and bf16
     partials: 64 of 252 plans faster (up to 7.2%), one slower (1.3%: another candidate kept later);
     32 / 8 1.1502 -> 1.1466, held out 1.2696 -> 1.2627 (worst 2.078 -> 1.928) and 1.2444 -> 1.2341.

@@ -18,7 +18,7 @@ so the model is solved in two phases:
    objective is then the plan's total bytes. On several nodes both phases partition over the nodes
    first (the objective is then the inter-node bytes), then each node's vertices over its ranks.
 
-The tiles are then staged and completed like every strategy's (planner/stages.py), with dcp's KV
+The tiles are then staged and completed like every strategy's (planner/stages.py, planner/finish.py), with dcp's KV
 relays on several nodes, so only the placement differs from dcp's candidates (whose kept plan then
 also has its backward deferred, planner/candidates.py ``with_deferred_backward``).
 
@@ -34,10 +34,11 @@ import threading
 import numpy as np
 
 from .cost_model import CostModel
+from .finish import finish_placement
 from .placement import Placement
 from .relay import add_relays
 from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, payload_bytes
-from .stages import assign_stages, finish_placement
+from .stages import assign_stages
 from .tiles import TileSet
 
 MEMORY_EPS = 0.03  # tokens per rank within 3% of the mean (dcp's placements: within one block)

@@ -23,7 +23,7 @@ class Placement:
     sim_time: float | None = None  # simulated fwd + bwd time (cost model), when the maker scored it
     tile_stage_bwd: np.ndarray | None = None  # int64 [ntiles] backward stages (None: chosen by make_plan)
     # The relay-free backward staging finish_placement chose for these homes, tile ranks and number of
-    # stages, before its local tiles were spread: a ``BackwardChoice`` (planner/stages.py), or None. The
+    # stages, before its local tiles were spread: a ``BackwardChoice`` (planner/stages_bwd.py), or None. The
     # relay scorer starts from it instead of choosing it again, where it fits (a later step may have
     # changed the stages).
     bwd_choice: object = None

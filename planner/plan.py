@@ -45,7 +45,7 @@ class Plan:
     cost_model: CostModel = field(default_factory=CostModel)
     # int32 [m, 3] rows (block, dst, src): dst receives KV `block` from src, not the home (planner/relay.py)
     kv_relay: torch.Tensor = field(default_factory=lambda: torch.zeros((0, 3), dtype=torch.int32))
-    # int32 [ntiles] backward stage of every tile (planner/stages.py backward_stages); None: the forward's
+    # int32 [ntiles] backward stage of every tile (planner/stages_bwd.py backward_stages); None: the forward's
     tile_stage_bwd: torch.Tensor | None = None
     # dtype of the dQ / dK / dV partials on the wire (summed in fp32 at the home)
     grad_comm_dtype: torch.dtype = torch.float32

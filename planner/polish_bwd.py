@@ -10,7 +10,7 @@ last child's).
 
 Why: the backward stages come from a rule per tile (``backward_stages``: tiles that send a dK/dV
 partial first, then those that need dO, then local ones) refined by splitting and deferring whole
-classes (planner/stages.py, planner/candidates.py ``with_deferred_backward``); as for the forward, no step
+classes (planner/stages_bwd.py, planner/candidates.py ``with_deferred_backward``); as for the forward, no step
 weighs what a rank's peers send it in the same exchange, or a proxy's sum that can only leave after its
 children's partials arrived. The backward is 2.5x the forward's compute, and on the held-out 32 / 8
 batches its worst plans simulated 1.54x the bound against a busiest-rank compute of 1.27x.

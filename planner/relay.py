@@ -48,11 +48,12 @@ from typing import NamedTuple
 import numpy as np
 
 from .cost_model import CostModel
+from .finish import Finisher
 from .placement import Placement, compact_stages, run_heads
-from .stages import (Finisher, LocalWork, backward_stages, backward_time, choose_backward_staging,
-                     spread_backward_local)
 from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, InputGroups, as_relay_table,
                        payload_bytes, receive_groups, row_bytes, schedule_rows)
+from .stages import LocalWork
+from .stages_bwd import backward_stages, backward_time, choose_backward_staging, spread_backward_local
 from .tiles import TileSet
 
 
@@ -382,7 +383,7 @@ class RelayScorer:
 
     def _backward(self, num_stages: int):
         """(backward stages, their (q, kv) receive groups) for ``num_stages``: they follow from what
-        each tile sends and needs (planner/stages.py backward_stages), not from the forward stages."""
+        each tile sends and needs (planner/stages_bwd.py backward_stages), not from the forward stages."""
         if num_stages not in self._bwd_cache:
             t, nB = self.tiles, self.tiles.num_blocks
             groups = InputGroups(self.rank, t.q, t.kv, self.remote_q, self.remote_kv, nB)
@@ -424,7 +425,7 @@ class RelayScorer:
         return float(fwd.max() + bwd.max()), fwd, bwd, stage_bwd, rows
 
     def base(self) -> float:
-        """The input placement's time (with the backward stages of planner/stages.py)."""
+        """The input placement's time (with the backward stages of planner/stages_bwd.py)."""
         return self._score(self.q_groups, self.kv_groups, None, self.base_compute[:, :self.num_stages],
                            self.num_stages)[0]
 

@@ -18,7 +18,7 @@ Rules (the executor and ``Plan.stats()`` both follow exactly these rows):
 * OUT: one partial (out, lse) per remote q-block the rank computed tiles of, sent to the home at
   ``last compute stage + 1`` (may equal ``num_stages``).
 * Backward stages: the backward runs the same S stages, but each tile has its own backward stage
-  (``tile_stage_bwd``, planner/stages.py ``backward_stages``), since every forward input is
+  (``tile_stage_bwd``, planner/stages_bwd.py ``backward_stages``), since every forward input is
   already resident then. Backward first / last stages below are over those.
 * DO (backward): dO + lse + delta of such a q-block, home -> rank, at its first backward stage
   (never stage 0).

@@ -367,7 +367,7 @@ def test_cost_model_follows_the_executor_exchanges():
 def test_split_backward_stages_moves_whole_remote_kv_groups_within_the_gap():
     # rank 0 owns q-blocks 0-1 and reads remote kv-blocks 2-5 (homes 1): four groups of two tiles in
     # backward stage 0; its exchange 1 (their partials) is exposed and stage 0 has compute to spare
-    from blockattn.planner.stages import split_backward_stages
+    from blockattn.planner.stages_bwd import split_backward_stages
 
     home = np.array([0, 0, 1, 1, 1, 1])
     q = np.array([0, 1] * 4 + [2])
@@ -389,7 +389,7 @@ def test_defer_backward_groups_fills_exposed_gaps_with_whole_remote_kv_groups():
     # rank 0 owns q-blocks 0-1 and reads remote kv-blocks 2-5 (home 1): four groups of two tiles, all
     # in backward stage 0 (8 s); rank 1 computes one local tile. Four stages: stages 1 and 2 may take
     # deferred groups, and stage 3 with into_last (its groups' partials leave after the last compute).
-    from blockattn.planner.stages import defer_backward_groups
+    from blockattn.planner.stages_bwd import defer_backward_groups
 
     home = np.array([0, 0, 1, 1, 1, 1])  # tiles (q, kv): (0, 2), (1, 2), (0, 3), ... (1, 5), then (2, 2)
     kv = np.array(np.repeat([2, 3, 4, 5], 2).tolist() + [2])
@@ -430,7 +430,7 @@ def test_defer_backward_groups_node_local_leaves_groups_read_from_other_nodes_in
     # and 4-5 (home 2, another node); exchange 2 exposed by 8 s: any group may fill it, the latest
     # kv-blocks (5, 4) first; node-local, only those of kv-blocks 3 and 2, whose dK/dV partials stay
     # on NVLink (a partial that crosses nodes last, often through a relay's reduce, is left early)
-    from blockattn.planner.stages import defer_backward_groups
+    from blockattn.planner.stages_bwd import defer_backward_groups
 
     home = np.array([0, 0, 1, 1, 2, 2])
     kv = np.repeat([2, 3, 4, 5], 2)
@@ -452,7 +452,7 @@ def test_node_local_deferral_path_keeps_cross_node_partials_early(monkeypatch, s
     deferring them left a proxy's NIC sending the summed partials after all compute: 1.148 -> 1.077x
     the bound. The plans are checked (make_plan's default)."""
     import blockattn.planner.dcp as dcp_module
-    import blockattn.planner.stages as stages_module
+    import blockattn.planner.stages_bwd as stages_bwd_module
 
     spec = MaskSpec.documents(long_tail_docs(1, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
     monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
@@ -464,7 +464,7 @@ def test_node_local_deferral_path_keeps_cross_node_partials_early(monkeypatch, s
         return _over_bound(make_plan(spec, 8, block_size=128, topology=Topology(ranks_per_node=4), **HEADS).stats())
 
     both = over_bound()
-    monkeypatch.setattr(stages_module, "DEFER_VARIANT_SETS", stages_module.DEFER_VARIANT_SETS[:1])
+    monkeypatch.setattr(stages_bwd_module, "DEFER_VARIANT_SETS", stages_bwd_module.DEFER_VARIANT_SETS[:1])
     plain = over_bound()
     assert both < 0.95 * plain
 
@@ -556,10 +556,10 @@ def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(mo
     checked (make_plan's default)."""
     skip_polish()  # (measured without the last step, the forward polish)
     import blockattn.planner.dcp as dcp_module
-    import blockattn.planner.stages as stages_module
+    import blockattn.planner.stages_bwd as stages_bwd_module
     from blockattn.planner.tiles import TileSet
 
-    monkeypatch.setattr(stages_module, "DEFER_VARIANT_SETS", stages_module.DEFER_VARIANT_SETS[:1])
+    monkeypatch.setattr(stages_bwd_module, "DEFER_VARIANT_SETS", stages_bwd_module.DEFER_VARIANT_SETS[:1])
     skip_deal_pass()  # (the pass after it, which would rescue the plan without it)
 
     spec = MaskSpec.documents(long_tail_docs(1, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
@@ -942,7 +942,7 @@ def test_one_large_node_splits_the_backward_stages_where_faster(monkeypatch, ski
     deferral of ``with_deferred_backward`` and the polishes, which hide the same gap: either would
     confound it; with the polishes 1.036 -> 1.022.)"""
     import blockattn.planner.dcp as dcp_module
-    import blockattn.planner.stages as stages_module
+    import blockattn.planner.finish as finish_module
 
     skip_polish()
     monkeypatch.setattr(dcp_module, "SINGLE_NODE_INITS", ("fcp",))
@@ -956,7 +956,7 @@ def test_one_large_node_splits_the_backward_stages_where_faster(monkeypatch, ski
         return _over_bound(s)
 
     split = step_over_bound()
-    monkeypatch.setattr(stages_module, "choose_backward_staging",
+    monkeypatch.setattr(finish_module, "choose_backward_staging",
                         lambda plain, transfers, derive, time_of, **_: (plain, time_of(plain, transfers[1])[0],
                                                                         *transfers))
     clear_plan_cache()

@@ -537,7 +537,7 @@ def test_one_finisher_finishes_every_relay_table_as_a_fresh_one_would():
     from blockattn.planner import dcp as dcp_module
     from blockattn.planner.relay import transit_relays
     from blockattn.planner.schedule import as_relay_table, receive_groups
-    from blockattn.planner.stages import Finisher, finish_placement
+    from blockattn.planner.finish import Finisher, finish_placement
 
     spec = MaskSpec.documents([6000, 5000, 800])
     tiles = TileSet.from_block_mask(spec.block_mask(128))
