@@ -5,10 +5,11 @@ Public entry: ``make_plan`` (re-exported as ``blockattn.make_plan``). See docs/d
 
 from .ahead import PlanAhead
 from .api import STRATEGIES, clear_plan_cache, default_block_size, make_plan
+from .check import PlanConsistencyError, check_plan
 from .cost_model import CostModel, Topology
 from .plan import Plan
 from .schedule import (BWD_KINDS, FWD_KINDS, KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_NAMES, KIND_OUT, KIND_Q,
-                       CommSchedule, PlanConsistencyError, check_plan, derive_schedule, payload_bytes)
+                       CommSchedule, derive_schedule, payload_bytes)
 
 __all__ = [
     "make_plan", "PlanAhead", "Plan", "CommSchedule", "Topology", "CostModel", "STRATEGIES", "clear_plan_cache",

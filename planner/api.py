@@ -13,11 +13,12 @@ import numpy as np
 import torch
 
 from . import baselines, dcp, fcp, hypergraph
+from .check import check_plan
 from .cost_model import CostModel, Topology
 from .finish import finish_placement
 from .placement import Placement, compact_stages, positions_by_key
 from .plan import Plan
-from .schedule import as_relay_table, check_plan, derive_schedule
+from .schedule import as_relay_table, derive_schedule
 from .tiles import TileSet, forget_tile_sets
 
 DEFAULT_BLOCK_SIZE = 128
@@ -119,7 +120,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     them in fp32. fp32 (default) keeps the backward as exact as on one device; torch.bfloat16 halves
     the backward's largest transfers for one rounding per partial (as TransformerEngine's CP sends dK/dV);
     torch.float16 only with dtype=torch.float16 (its range could overflow otherwise).
-    ``check``: verify the plan's consistency (planner/schedule.py ``check_plan``) before returning.
+    ``check``: verify the plan's consistency (planner/check.py ``check_plan``) before returning.
     To keep planning out of the training step, plan the next batches ahead with ``PlanAhead``
     (planner/ahead.py), which runs this function in a worker process.
     """

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from blockattn.masks import MaskSpec
 from blockattn.planner import STRATEGIES, Topology, check_plan, make_plan
-from blockattn.planner.schedule import PlanConsistencyError
+from blockattn.planner.check import PlanConsistencyError
 
 HEADS = dict(num_q_heads=8, num_kv_heads=2, head_dim=32)
 

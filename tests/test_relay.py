@@ -21,8 +21,8 @@ from blockattn.planner import CostModel, Topology, check_plan, clear_plan_cache,
 from blockattn.planner.api import build_plan
 from blockattn.planner.placement import Placement
 from blockattn.planner.relay import add_relays, relay_candidates, relay_variants
-from blockattn.planner.schedule import (KIND_DKV, KIND_DO, KIND_KV, KIND_Q, CommSchedule, PlanConsistencyError,
-                                        as_relay_table)
+from blockattn.planner.check import PlanConsistencyError
+from blockattn.planner.schedule import KIND_DKV, KIND_DO, KIND_KV, KIND_Q, CommSchedule, as_relay_table
 from blockattn.planner.tiles import TileSet
 
 SIZES = dict(HEADS, element_size=2)
