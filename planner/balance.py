@@ -54,7 +54,7 @@ too (planner/dcp.py REPLAN_DUPLEX).
 (its excess would cost more NIC time to shed than it saves) then levels its own ranks: the same moves,
 with the node's mean and cap and targets on the node only. Without it the donors stop at the global
 cap, so a node at 1.07x the mean kept one rank at 1.27x while its node-mates sat at the cap. dcp
-weighs it in a pass of its own (planner/dcp.py LEVEL_PASS).
+weighs it in a pass of its own (planner/passes.py LEVEL_PASS).
 """
 
 from __future__ import annotations

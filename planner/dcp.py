@@ -88,6 +88,11 @@ transfers), so that a donor whose transfers about equal its compute still sheds 
 once more with every balancer taking a rank's transfers on a link as the busier of its sends and receives
 (``REPLAN_DUPLEX``: a home that many ranks read while it reads others' KV; kept only where worth its
 bytes); the fastest plan is kept.
+
+Modules: the first pass (candidates to finalists, ``_dcp``) is planner/first_pass.py, the passes after
+it (second opinion, NIC-shy, spread, deal and leveling passes) planner/passes.py, each with the
+constants that tune it; this module runs them in order (``dcp``, ``_dcp_selected``) and holds the
+last steps (fan-out, polish, re-plan, the fcp strategy's plan).
 """
 
 from __future__ import annotations
@@ -97,69 +102,21 @@ from dataclasses import replace
 
 import numpy as np
 
-from .candidates import (BASELINE_INITS, FCP_PLAN, _balanced, _initial_home, _lower_bound, _place, _relay_balanced,
-                         _restaged, _schedule_bytes, _scored, _staged, _time_floor, _with_transit,
-                         coarsening_factor, merged_home, moved_bytes, with_deferred_backward)
+from . import first_pass, passes
+from .candidates import (BASELINE_INITS, FCP_PLAN, _lower_bound, _place, _restaged, _scored, _time_floor,
+                         _with_transit, coarsening_factor, with_deferred_backward)
 from .cost_model import CostModel
 from .fanout import add_fanout
 from .fcp import strategy_home
-from .placement import Placement, compact_stages, prefix_sums
+from .first_pass import _dcp, _fewest_bytes
+from .passes import _deal_pass, _level_pass, _nic_passes, _second_opinion, _worth_its_bytes
+from .placement import Placement
 from .polish import polish_forward
 from .polish_bwd import polish_backward
-from .relay import add_relays
-from .schedule import KIND_KV, as_relay_table, derive_schedule_merged
-from .starts import deal_blocks, deal_heavy_pieces, hot_rows, spread_read_blocks
+from .schedule import as_relay_table
 from .tiles import TileSet, coarsen
 
-# Initial data placements tried, in order of how often each won in bench/bench_planner.py runs; the
-# first plan within GOOD_ENOUGH of the lower bound (fwd + bwd) is kept without trying the rest.
-# One node: "fcp-docs" first, as fast as "fcp" or faster on 17 of the 19 one-node benchmark cases and
-# 14-52% fewer bytes on the Wikipedia causal/lambda batches (8 ranks: bytes over zigzag 1.76 -> 1.55
-# geomean, fwd+bwd over the bound 1.0174 -> 1.0161); "fcp" stays for the batches it moves fewer bytes on.
-SINGLE_NODE_INITS = ("fcp-docs", "fcp", "contiguous")
-# Several nodes: "zigzag" (the balanced zigzag placement) was dropped when "fcp-docs" came in: over the
-# benchmark cases it no longer won anywhere, and one candidate less keeps the relay finalists for the
-# others (fwd+bwd / bound on 16/8, 32/8, 16/4: 1.082 / 1.467 / 1.188 with it, 1.079 / 1.454 / 1.186 without).
-# "hierarchical-fcp-wide" (last, dropped where its homes are "hierarchical-fcp"'s): the node packing with a
-# cut's KV priced over the node's NICs, as relays and transit relays spread it, not over one NIC; one
-# NIC keeps a document a little heavier than a node on it (fwd + bwd over the bound, 32 ranks / 8 per
-# node, a Wikipedia lambda batch: node compute 1.29x the mean, 1.50x the bound; wide 1.22x).
-MULTI_NODE_INITS = ("hierarchical", "hierarchical-fcp", "fcp", "zigzag-ring", "fcp-docs", "hierarchical-fcp-wide")
-GOOD_ENOUGH = 1.05
-# One node, most of the compute in segments longer than a rank's memory (``_mostly_split_segments``):
-# every candidate is planned, and of those within GOOD_ENOUGH of the bound and within BYTES_SLACK of
-# the fastest the one moving the fewest bytes is kept. On the long-tail batches (8 ranks) "contiguous"
-# then wins with 20-55% fewer bytes at 1.020 instead of 1.006-1.015 x the bound. On several nodes the
-# same rule picks among the first pass's finalists.
-BYTES_SLACK = 1.02
 BASELINE_MARGIN = 1.25  # a baseline this much slower on merged blocks is not re-planned at full resolution
-# Several candidates: ranked on 2x-merged blocks first (>= 32 merged blocks per rank, batches of
-# >= 2048 tiles), and only the best SELECT_KEEP are planned at full resolution.
-SELECT_MIN_TILES = 2048
-SELECT_MIN_BLOCKS_PER_RANK = 32
-SELECT_KEEP = 2
-REFINE_TOP = 2  # finalists refined (relay-aware rebalancing, restaging) before the fastest is kept
-# ... and one more where "hierarchical-fcp-wide" is among the candidates: its plan often ranks second,
-# and then pushed a finalist that refined better out (a 32 / 8 shared-question batch 1.17 -> 1.23x).
-WIDE_REFINE_TOP = 3
-# Relays are weighed for this many of the fastest candidates (their scoring is costly): a candidate's
-# time before relays ranks it poorly for after (fcp 3rd before, fastest after on a 16/8 batch), and 2
-# lost such cases once "fcp-docs" joined the candidates. 5 (with the finalists compared after their
-# transit relays and the second opinion seeded with every first-pass finalist's homes): a 16-rank
-# shared-question batch 1.270 -> 1.201 ("hierarchical-fcp", 5th before relays), nothing else changed
-# over the 57 multi-node cases (fp32 and bf16 partials) or seven 1M batches.
-RELAY_TOP = 5
-# Several nodes: these candidates are also balanced with KV already on a node priced as NVLink (the
-# relay add_relays then sets up) and join the finalists with their relays. "hierarchical" keeps a long
-# document's part on a node in contiguous runs, so one rank can hold most of its compute, and only
-# this pricing lets it shed rows to its node-mates (1M tokens / 64 ranks: 2.76 -> 2.53 x the bound).
-RELAY_AWARE_INITS = ("hierarchical",)
-# ... and these always (unless an init is forced), as relay-aware finalists only: "hierarchical-spread"
-# (``spread_read_blocks``, see SECOND_OPINION_INITS). 128K benchmark cases, fp32 partials: three
-# shared-question plans 1-4% faster (32/8 geomean 1.375 -> 1.372), none slower; bf16: three 0.4-2.4%
-# faster, one 0.3% slower; 1M / 64 ranks: one Wikipedia batch 1.66 -> 1.57x the bound (fp32), another
-# 1.58 -> 1.49x (bf16); +2-10% planning time.
-RELAY_AWARE_EXTRA = ("hierarchical-spread",)
 # Several nodes, a final plan slower than SECOND_OPINION x the lower bound (fwd + bwd): planned again
 # with the homes' inter-node KV sends priced as spread over their node's NICs (``Balancer(spread_sends=
 # True)``, which home-side transit relays then realize), from SECOND_OPINION_INITS and from the first
@@ -170,37 +127,6 @@ RELAY_AWARE_EXTRA = ("hierarchical-spread",)
 # (bf16 partials) 32/8 goes 1.241 -> 1.228 for +6% planning time; from 1.15 on: 1.226 for +29%, from
 # 1.5 on: nothing.
 SECOND_OPINION = 1.25
-# The second opinion's starts besides the first plan's homes: "hierarchical", and the same with each
-# node's blocks that other nodes read dealt over the node's ranks ("hierarchical-spread",
-# ``spread_read_blocks``). A long document's part on a node then leaves through every NIC of the node
-# in exchange 0, when only the homes hold it and no relay can help yet. Seven 1M-token / 64-rank
-# Wikipedia batches, fwd+bwd / bound with fp32 partials: 2.25 -> 1.56 (an 84K-token document),
-# 1.56 -> 1.29, 1.28 -> 1.31, the others unchanged; bf16: 1.84 -> 1.38, 1.53 -> 1.35, 1.28 -> 1.16,
-# 1.23 -> 1.19. On the 128K benchmark cases it never wins.
-SECOND_OPINION_INITS = ("hierarchical", "hierarchical-spread")
-# The second opinion's finalists within RECHECK of the fastest are all carried to full resolution and
-# compared after their transit relays: merged blocks rank near-equal plans unreliably, and transit
-# relays gain less on homes already spread. 1M / 64 ranks, the bench batch: 1.632 vs 1.634 x the bound
-# merged, 1.50 vs 1.38 final (fp32 partials; bf16 1.33 -> 1.22); another batch 1.31 -> 1.28. Finalists
-# further off were not faster over the seven batches, and each one carried costs ~0.3 s at 1M.
-RECHECK = 1.10
-# Several nodes, a plan still slower than NIC_SHY_FROM x the bound after its backward deferral: the
-# kept plan's homes balanced again by a Balancer that sees the inter-node bandwidth scaled by each of
-# NIC_SHY_SCALES (NIC transfers priced 1.33x and 2x), refined, transit-relayed and deferred alike; the
-# fastest in the cost model is kept. The balancer's max(compute, transfers) estimate is optimistic where
-# the staged execution cannot hide a transfer (the first exchange, per-exchange latency), so it sheds
-# more across nodes than pays on small batches; scaling every balancer's NIC instead loses as often as
-# it gains (evaluation cases, 32 / 8: x0.75 1.1860 -> 1.1864; x1.5, priced cheaper, 1.2350). The pass, fwd+bwd
-# over the bound, evaluation cases, none slower: 32 / 8 1.1860 -> 1.1676 (fp32 partials, 11 of 19
-# faster; 0.75 alone 1.1729, 0.5 alone 1.1715, adding 0.3 1.1656), bf16 1.1564 -> 1.1352; 16 / 8
-# 1.0355 -> 1.0305; 16 / 4 1.0807 -> 1.0779. 1M / 64 (the bench batch): 1.193 -> 1.150 (fp32),
-# 1.146 -> 1.102 (bf16), for ~1 s more planning (+60%); +23% on the 32 / 8 cases. Comparing the
-# candidates before their deferral instead lost gains (one won at 1.10x the kept plan's time before it).
-NIC_SHY_SCALES = (0.75, 0.5)
-NIC_SHY_FROM = 1.10
-# ... and then against its homes with the blocks other nodes read dealt over their node's ranks, all of
-# them or those crossing nodes in the forward's first exchange (``_spread_homes``).
-SPREAD_PASS = True
 # Several nodes, a plan still slower than REPLAN_FROM x the bound after every pass: planned again from the
 # start with the balancer estimating a rank's time as max(C, X) + REPLAN_OVERLAP * min(C, X) instead of
 # max(C, X) (planner/balance.py ``overlap``), and the faster plan kept. Its slowest ranks are donors
@@ -255,45 +181,6 @@ POLISH_RUNNER_UP = 0.10
 # 1.221, 1.173 -> 1.110x the bound), none slower; a polish more where such a plan exists (7 of the 42
 # held-out 32 / 8 plans), planning +5-9% on those sets.
 POLISH_BYTES_REJECTED = True
-# Where the spread pass wins, its homes go through the NIC-shy pass and the spread pass again, for up to
-# PASS_ROUNDS rounds (``_nic_passes``). Every pass only adds candidates (none slower). Fwd + bwd over the
-# bound, 63 multi-node cases per seed (the bench's draws; fp32 partials), one round -> three: seed 0
-# (the bench's batches) 32 / 8 1.1542 -> 1.1502; seed 777 16 / 4 1.1062 -> 1.1036, 32 / 8 1.2475 ->
-# 1.2444 (a causal batch 1.583 -> 1.527); seed 1 (held out) 16 / 4 1.1042 -> 1.0976 (a causal batch
-# 1.250 -> 1.155, its worst plan 1.430 -> 1.388); 10 of 189 plans faster (by up to 8%), planning +2-7%
-# on these cases. Spreading also the plan before each round's NIC-shy pass cost one more start (0.9 s
-# of a 1M / 64 plan, no gain there) and lost as much as it won (seed 777 one plan faster, seed 1 two
-# slower); the spread pass before the NIC-shy one lost a held-out plan (1.430 -> 1.454).
-PASS_ROUNDS = 3
-# A plan still slower than DEAL_PASS_FROM x the bound after the NIC-shy and spread passes is weighed against
-# homes with, inside each node, every document piece holding more than DEAL_PIECE_FROM ranks' shares of
-# compute dealt round-robin over the node's ranks (``deal_heavy_pieces``), from "hierarchical" ("contiguous"
-# on one node) and from the kept plan (``_dealt_homes``); balanced and refined as the second opinion's starts
-# are on several nodes, as a one-node candidate on one (``_deal_pass``); kept where faster by more than the
-# bytes it adds cost (``_worth_its_bytes``). A piece kept in contiguous runs leaves one home with most of
-# its rows: it sheds them to node-mates, but each shed row sends its Q and takes back an OUT partial over
-# that home's links, until its transfers equal its compute and max(compute, transfers) sees nothing more
-# to gain (1M tokens / 64 ranks, a 32K-token document: one home at 6.1x a rank's share of compute, still
-# 1.13x the mean after balancing). Dealt, every rank of the node holds rows of the piece and reads its KV
-# from the others over NVLink. Fwd + bwd over the bound, none of the 105 cases of a draw slower: the
-# bench's batches (seed 0) 16 / 4 1.0708 -> 1.0593, 32 / 8 1.1451 -> 1.1388 (a causal 16 / 4 plan 1.30
-# -> 1.11); held out (seed 1) 16 / 8 1.0620 -> 1.0449, 16 / 4 1.0920 -> 1.0810, 32 / 8 1.2412 -> 1.2227
-# (a shared-question plan 1.59 -> 1.33); seed 777 16 / 8 1.0548 -> 1.0407, 16 / 4 1.0996 -> 1.0917, 32 /
-# 8 1.2273 -> 1.2015 (worst 1.682 -> 1.537), 32 (32) 1.0583 -> 1.0554; bf16 partials 16 / 8 1.0308 ->
-# 1.0284, 16 / 4 1.0544 -> 1.0481, 32 / 8 1.1227 -> 1.1194. 1M tokens / 64 ranks, six Wikipedia
-# batches: 1.23 -> 1.06, 1.14 -> 1.06, 1.30 -> 1.22 (three unchanged), for +4% planning in all (+10-26%
-# on the 128K 16 / 4 and 32 / 8 cases). Before the NIC-shy pass instead (the later passes then start from the
-# dealt plan): gains about as large, but six of 126 multi-node plans slower; from "hierarchical" alone:
-# held out 16 / 4 1.0839 (against 1.0810), from the kept plan alone 32 / 8 1.2290 (against 1.2206; all
-# three without the bytes rule, which took 32 / 8 1.2206 -> 1.2227).
-DEAL_PASS_FROM = 1.05
-# On one node the deal pass also weighs the kept plan's homes with its *widely read* blocks - KV that at
-# least WIDELY_READ of the other ranks receive: a shared question, causal_blockwise's first block -
-# dealt over the ranks (``deal_blocks``): in contiguous runs a few homes hold them all and send every
-# copy. 32 ranks of one node, three draws (63 plans): 3 faster, none slower (shared question 1.130 ->
-# 1.119 and 1.111 -> 1.051, a causal batch 1.115 -> 1.108), planning +0.5%; smaller shared-question
-# batches (16-32K tokens on 16 or 32 ranks of one node) gain most: 3.59 -> 3.00, 2.05 -> 1.61x the bound.
-WIDELY_READ = 0.5
 # A one-node plan over POLISH_FROM_ONE_NODE x the bound is weighed, before its polish, against itself with
 # its widely read KV fanned out through the ranks that got it first (planner/fanout.py), its backward
 # deferred; kept where faster, the plan it beat polished as a runner-up. With the dealt widely-read blocks
@@ -301,26 +188,6 @@ WIDELY_READ = 0.5
 # 0.1-0.3% slower without the runner-up polish), planning +11% at 32 (32); without them no plan gained
 # (the question's homes were still computing more than their share: the forward waited on compute).
 FANOUT = True
-# A multi-node plan still over LEVEL_FROM x the bound after the deal pass is weighed against its homes
-# balanced again with every node whose mean compute is over the mean then leveling its own ranks
-# (planner/balance.py ``level_nodes``; ``_level_pass``), refined as the second opinion's starts are; kept
-# where faster. The balancer fills targets up to its cap over the whole batch: a node that cannot shed
-# its excess over its NICs keeps it on whichever of its ranks hold it, while its node-mates sit at the
-# cap (the held-out worst plan, 32 / 8: one rank at 1.27x the mean on a node at 1.07x). Fwd + bwd over
-# the bound, the 84 multi-node plans per draw: seed 0 (the bench's batches) 8 faster, 1 slower (16 / 8
-# 1.0267 -> 1.0244, 16 / 4 1.0500 -> 1.0426, a lambda plan 1.084 -> 1.024; the slower 1.017 -> 1.031:
-# the deal pass's turned-down plan, polished, is not worth its bytes against the polished leveled plan,
-# as it was against the plan before); held out, seed 1, 10 faster (32 / 8 1.1431 ->
-# 1.1365, its worst plan 1.426 -> 1.367 through the re-plan, whose passes level too), seed 777, 8 faster
-# (32 / 8 1.1330 -> 1.1264, worst 1.358 -> 1.314); 1M tokens / 64 ranks, one of six batches 1.171 ->
-# 1.102. Planning +4-5% (seed 0, 32 / 8 and 16 / 4, runs alternated). The leveling always on in every
-# balancer instead: seed 1 12 faster but 8 slower (a 32 / 8 plan 1.33 -> 1.42). With the deal pass's
-# bytes rule: 3 of the 26 gains kept (its moves are rows to node-mates, over NVLink). From 1.0x the
-# bound: seed 0 three more plans faster (16 / 4 1.0426 -> 1.0417), for a pass on nearly every plan.
-# Part of the gain is the second balancing itself, with spread sends (most of seed 0's 16 / 4 gain; none
-# of seed 1's): see docs/planner_log.md.
-LEVEL_PASS = True
-LEVEL_FROM = 1.05
 # Last of all, the fcp strategy's own plan as it is (FCP's homes, owner computes), kept where faster (on
 # one node only for a plan not within GOOD_ENOUGH of the bound, and where worth its bytes): 8 ranks on two
 # nodes, 7 of 21 plans of seed 0 faster (1.0176 -> 1.0162 geomean), 4 of seed 1 (1.0267 -> 1.0244); a
@@ -381,19 +248,19 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     multi_node = world_size > cost_model.topology.ranks_per_node
     beaten = []
     turned_down = None
-    if init is None and multi_node and result.sim_time > NIC_SHY_FROM * bound:
+    if init is None and multi_node and result.sim_time > passes.NIC_SHY_FROM * bound:
         before = result
         result = _nic_passes(tiles, result, world_size, cost_model, max_stages, sizes, bound)
         steps.append(("NIC-shy and spread passes", result.sim_time))
         if result is not before:
             beaten.append(before)
-    if init is None and world_size > 1 and result.sim_time > DEAL_PASS_FROM * bound:
+    if init is None and world_size > 1 and result.sim_time > passes.DEAL_PASS_FROM * bound:
         before = result
         result, turned_down = _deal_pass(tiles, result, world_size, cost_model, max_stages, sizes)
         steps.append(("deal pass", result.sim_time))
         if result is not before:
             beaten.append(before)
-    if LEVEL_PASS and init is None and multi_node and result.sim_time > LEVEL_FROM * bound:
+    if passes.LEVEL_PASS and init is None and multi_node and result.sim_time > passes.LEVEL_FROM * bound:
         before = result
         result = _level_pass(tiles, result, world_size, cost_model, max_stages, sizes)
         steps.append(("leveling pass", result.sim_time))
@@ -441,7 +308,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
                 result = again
             steps.append(("re-plan with duplex links", result.sim_time))
     if (FCP_PLAN_LAST and init is None and world_size > 1
-            and (multi_node or result.sim_time > GOOD_ENOUGH * bound)):
+            and (multi_node or result.sim_time > first_pass.GOOD_ENOUGH * bound)):
         # Last, the fcp strategy's own plan as it is (FCP's homes, every tile on its q-block's home):
         # balancing its tiles away, as the "fcp" / "fcp-docs" starts do, can cost more transfers than
         # the compute it evens out (8 ranks on two nodes, seed 0's Wikipedia causal batches: 1.020 ->
@@ -498,127 +365,6 @@ def _content_key(placement: Placement) -> bytes:
     return digest.digest()
 
 
-def _nic_passes(tiles: TileSet, result: Placement, world_size: int, cost_model: CostModel, max_stages: int,
-                sizes: dict, bound: float) -> Placement:
-    """The NIC-shy and spread passes, in rounds: the kept homes balanced again with the NICs priced
-    slower (NIC_SHY_SCALES); then, while the plan is over NIC_SHY_FROM x the bound, its spread homes
-    (``_spread_homes``) not tried yet, each on its own; where one wins, its homes go through the
-    NIC-shy pass in the next round. Each pass only adds candidates: the result is never slower than
-    its input."""
-    shy_seed, tried = result.block_home, []
-    for _ in range(PASS_ROUNDS):
-        for scale in NIC_SHY_SCALES:
-            result = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, [shy_seed],
-                                     opinion_inits=(), nic_scale=scale, deferred=True)
-        if not SPREAD_PASS or result.sim_time <= NIC_SHY_FROM * bound:
-            break
-        homes = [home for home in _spread_homes(tiles, result, world_size, cost_model.topology)
-                 if not any(np.array_equal(home, seen) for seen in tried)]
-        tried += homes
-        # each on its own: together, one's finalists may drop the other's before their transit relays
-        before_spread = result
-        for home in homes:
-            result = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, [home],
-                                     opinion_inits=(), deferred=True)
-        if result is before_spread:
-            break
-        shy_seed = result.block_home
-    return result
-
-
-def _deal_pass(tiles: TileSet, result: Placement, world_size: int, cost_model: CostModel, max_stages: int,
-               sizes: dict) -> tuple:
-    """(``result`` or, where one simulates faster and is worth its bytes, a plan from the homes of
-    ``_dealt_homes``; the fastest plan faster than that one but turned down for its bytes, or None): on
-    several nodes balanced and refined as the second opinion's starts are (spread sends, transit relays),
-    on one node balanced and staged as a one-node candidate; each with its backward deferral."""
-    turned_down = None
-    for home in _dealt_homes(tiles, result, world_size, cost_model, sizes):
-        if world_size > cost_model.topology.ranks_per_node:
-            alt = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, [home],
-                                  opinion_inits=(), deferred=True)
-        else:
-            alt, _ = _place(tiles, world_size, None, cost_model, max_stages, sizes, home=home, relays=False)
-            alt = with_deferred_backward(tiles, alt, world_size, cost_model, sizes, beat=result.sim_time)
-        if alt.sim_time < result.sim_time:
-            if _worth_its_bytes(tiles, alt, result, sizes):
-                result = alt
-            elif turned_down is None or alt.sim_time < turned_down.sim_time:
-                turned_down = alt
-    if turned_down is not None and turned_down.sim_time >= result.sim_time:
-        turned_down = None
-    return result, turned_down
-
-
-def _level_pass(tiles: TileSet, result: Placement, world_size: int, cost_model: CostModel, max_stages: int,
-                sizes: dict) -> Placement:
-    """``result`` or, where it simulates faster, its homes balanced again with every node still over the
-    balancer's cap then leveling its own ranks (planner/balance.py ``level_nodes``), refined as the second
-    opinion's starts are (spread sends, transit relays, backward deferral). As the NIC-shy passes, no
-    bytes rule: the leveling moves work over NVLink only (with the deal pass's rule, 3 of the 26 plans it
-    made faster on three draws stayed faster)."""
-    return _second_opinion(tiles, result, world_size, replace(cost_model, balance_level_nodes=True), max_stages,
-                           sizes, [result.block_home], opinion_inits=(), deferred=True)
-
-
-def _worth_its_bytes(tiles: TileSet, alt: Placement, result: Placement, sizes: dict) -> bool:
-    """Whether ``alt``, faster than ``result``, is worth the bytes it moves: as many or fewer, or a time
-    gain over (BYTES_SLACK - 1) x its bytes over ``result``'s (2% for as many, 4% for twice as many). A
-    dealt piece's KV is read on every rank of its node: a batch that is one long segment (causal_blockwise
-    on one node of 32) dealt whole gained 2% for 4.8x the bytes."""
-    ratio = _schedule_bytes(tiles, alt, sizes) / max(_schedule_bytes(tiles, result, sizes), 1.0)
-    return ratio <= 1.0 or 1.0 - alt.sim_time / result.sim_time > (BYTES_SLACK - 1.0) * ratio
-
-
-def _dealt_homes(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, sizes: dict) -> list:
-    """The homes of "hierarchical" (on one node "contiguous") and of ``placement`` with their heavy pieces
-    dealt over their nodes' ranks (``deal_heavy_pieces``), and on one node ``placement``'s with its widely
-    read blocks dealt (WIDELY_READ), each where that changes it and once; dealt as merged blocks where
-    the batch is planned on them (the seeds of ``_dcp(second_opinion=...)``)."""
-    coarse, kept, of_block = _as_planned(tiles, world_size, placement.block_home)
-    homes = [_initial_home(coarse, world_size, "hierarchical", cost_model, sizes)]
-    if kept is not None:
-        homes.append(kept)
-    pairs = [(home, deal_heavy_pieces(coarse, home, world_size, cost_model.topology)) for home in homes]
-    if WIDELY_READ and kept is not None and world_size <= cost_model.topology.ranks_per_node:
-        kv_rows = placement.schedule.fwd.numpy()
-        kv_rows = kv_rows[kv_rows[:, 3] == KIND_KV]  # one per receiving rank on one node (no relays yet)
-        receivers = np.bincount(kv_rows[:, 4], minlength=tiles.num_blocks)
-        widely = np.zeros(coarse.num_blocks, dtype=bool)
-        widely[of_block[receivers >= WIDELY_READ * (world_size - 1)]] = True
-        pairs.append((kept, deal_blocks(kept, widely, cost_model.topology)))
-    dealt = []
-    for home, home_dealt in pairs:
-        if not np.array_equal(home_dealt, home) and not any(np.array_equal(home_dealt, seen) for seen in dealt):
-            dealt.append(home_dealt)
-    return [home[of_block] for home in dealt]
-
-
-def _as_planned(tiles: TileSet, world_size: int, home: np.ndarray) -> tuple:
-    """(the blocks dcp plans this batch on - merged where ``coarsening_factor`` merges them -, ``home`` as
-    their homes or None where it does not keep them whole, each real block's merged block)."""
-    factor = coarsening_factor(tiles, world_size)
-    coarse = coarsen(tiles, factor)[0] if factor > 1 else tiles
-    return coarse, merged_home(home, factor, coarse.num_blocks), np.arange(tiles.num_blocks) // factor
-
-
-def _spread_homes(tiles: TileSet, placement: Placement, world_size: int, topology) -> list:
-    """The homes of ``placement`` with, inside each node, the blocks other nodes read dealt over the
-    node's ranks (``spread_read_blocks``), and with only those whose KV crosses nodes in the forward's
-    first exchange dealt (``deal_blocks``): that exchange has no earlier one to send them ahead through
-    a node-mate (a transit rank), so one home's NIC carries them all behind stage 0's compute. Dealt
-    as merged blocks where the batch is planned on them (the seeds of ``_dcp(second_opinion=...)``)."""
-    coarse, home, of_block = _as_planned(tiles, world_size, placement.block_home)
-    if home is None:
-        return []  # not whole merged blocks: no seed survives merging
-    fwd = placement.schedule.fwd.numpy().astype(np.int64)
-    node_of = topology.node_of
-    first = (fwd[:, 0] == 1) & (fwd[:, 3] == KIND_KV) & (node_of(fwd[:, 1]) != node_of(fwd[:, 2]))
-    crossing = np.zeros(coarse.num_blocks, dtype=bool)
-    crossing[of_block[fwd[first, 4]]] = True
-    return [spread_read_blocks(coarse, home, topology)[of_block], deal_blocks(home, crossing, topology)[of_block]]
-
-
 def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
                   init: str | None, steps: list | None = None) -> Placement:
     """dcp's plan before ``with_deferred_backward``: the candidates planned, compared and refined.
@@ -636,7 +382,7 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         # as on one node: of those within GOOD_ENOUGH of the bound and BYTES_SLACK of the fastest, the
         # fewest bytes (causal_blockwise, 16 ranks / 8 per node: hot rows pushed per kv-rank at 1.0419x
         # the bound with 4.96 GB, per kv-node 1.0367x with 11.8 GB, mostly KV over NVLink)
-        result = _fewest_bytes(tiles, firsts, GOOD_ENOUGH * bound, sizes)
+        result = _fewest_bytes(tiles, firsts, first_pass.GOOD_ENOUGH * bound, sizes)
         steps.append(("candidates", result.sim_time))
     else:
         result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
@@ -648,7 +394,7 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
     result = _scored(tiles, result, world_size, cost_model, sizes)
     if one_node:
         steps.append(("candidates", result.sim_time))
-    if one_node and result.sim_time <= GOOD_ENOUGH * bound:
+    if one_node and result.sim_time <= first_pass.GOOD_ENOUGH * bound:
         return result  # one node, near the bound: nothing to gain
     if one_node:
         # restaged as the multi-node finalists are, kept where faster (32 ranks on one NVLink domain,
@@ -677,244 +423,3 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         result = _second_opinion(tiles, result, world_size, cost_model, max_stages, sizes, seeds)
         steps.append(("second opinion", result.sim_time))
     return result
-
-
-def _second_opinion(tiles: TileSet, result: Placement, world_size: int, cost_model: CostModel, max_stages: int,
-                    sizes: dict, seeds: list, *, opinion_inits: tuple = SECOND_OPINION_INITS, nic_scale: float = 1.0,
-                    deferred: bool = False) -> Placement:
-    """``result`` or, where one simulates faster, the fastest second-opinion finalist from ``seeds`` and
-    ``opinion_inits`` (``_dcp(second_opinion=...)``), each given its transit relays and, with
-    ``deferred``, its backward deferral (to compare with a ``result`` that has had its own)."""
-    for alt in _dcp(tiles, world_size, cost_model, max_stages, sizes, None, second_opinion=seeds,
-                    every_finalist=True, nic_scale=nic_scale, opinion_inits=opinion_inits):
-        alt = _with_transit(tiles, alt, world_size, cost_model, sizes)
-        if deferred:
-            # (the node-local deferral path only on the first pass's kept plan: on every finalist too it
-            # cost the 1M / 64 plan 1.5 s more for 1.1466 -> 1.1416x the bound on the bench's 32 / 8
-            # cases; deferring the passes' result that way again made the passes' gains non-monotone)
-            alt = with_deferred_backward(tiles, alt, world_size, cost_model, sizes, node_local=False,
-                                         beat=result.sim_time)
-        if alt.sim_time < result.sim_time:
-            result = alt
-    return result
-
-
-def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict,
-         init: str | None, relays: bool = True, second_opinion: list | None = None,
-         every_finalist: bool = False, nic_scale: float = 1.0,
-         opinion_inits: tuple = SECOND_OPINION_INITS) -> Placement | list:
-    """dcp's placement before the baseline check and the transit relays. ``relays=False``: without
-    node-level relays and the refinements that redo them (the balanced candidates alone).
-    ``second_opinion`` (several nodes; a list of first plans' block homes, possibly empty): the second
-    opinion, i.e. the ``opinion_inits`` placements and these homes (each distinct one once) balanced
-    with the homes' inter-node sends priced on their node's NICs, refined alike, and no other candidate;
-    no plan (an empty list, with ``every_finalist``) where there is no start left, i.e. no
-    ``opinion_inits`` and no seed home that survives merging the blocks. ``every_finalist``: the
-    (refined) finalists within RECHECK of the fastest, fastest first, instead of the fastest alone.
-    ``nic_scale``: the balancer sees the inter-node bandwidth times this (NIC_SHY_SCALES)."""
-    factor = coarsening_factor(tiles, world_size)
-    if factor > 1:
-        coarse, of_fine = coarsen(tiles, factor)
-        if second_opinion is not None:
-            # the first plans' homes as merged blocks' homes, where they are whole merged blocks (a
-            # baseline's may not be: then left out, so memory stays as balanced as planned)
-            merged = [merged_home(home, factor, coarse.num_blocks) for home in second_opinion]
-            second_opinion = [coarse_home for coarse_home in merged if coarse_home is not None]
-        plans = _dcp(coarse, world_size, cost_model, max_stages, sizes, init, relays, second_opinion, every_finalist,
-                     nic_scale=nic_scale, opinion_inits=opinion_inits)
-        fines = []
-        for plan in plans if every_finalist else [plans]:
-            # Fine tiles inherit their merged tile's rank and stage: their inputs are subsets of its
-            # inputs, so they are home / received by that stage; the schedule is derived afresh.
-            # On one node the backward stages are inherited too (the same reasoning: a fine tile's dO
-            # is part of its merged tile's), so the fine schedule is derived once, from the merged tiles
-            # (``_with_merged_schedule``), instead of make_plan choosing the backward staging again over
-            # every fine tile: 50 one-node 128K / 8 plans on merged blocks 15-40% faster, fwd + bwd over
-            # the bound within +-0.06% (geomean 1.0158 -> 1.0159). On several nodes every fine plan is
-            # finished and scored again anyway.
-            inherit = world_size <= cost_model.topology.ranks_per_node and plan.tile_stage_bwd is not None
-            fine = Placement(block_home=plan.block_home[np.arange(tiles.num_blocks) // factor],
-                             tile_rank=plan.tile_rank[of_fine], tile_stage=plan.tile_stage[of_fine],
-                             tile_stage_bwd=plan.tile_stage_bwd[of_fine] if inherit else None)
-            # relays found on merged blocks do not carry over (the fine schedule is derived afresh)
-            unrelayed = fine
-            if relays:
-                fine = add_relays(tiles, fine, world_size=world_size, cost_model=cost_model, max_stages=max_stages,
-                                  sizes=sizes)
-            if inherit and fine is unrelayed:
-                fine = _with_merged_schedule(tiles, coarse, of_fine, factor, fine, plan, world_size)
-            fines.append(fine)
-        return fines if every_finalist else fines[0]
-    if second_opinion is not None:
-        inits = []
-    elif init is not None:
-        inits = [init]
-    elif world_size <= cost_model.topology.ranks_per_node:
-        inits = list(SINGLE_NODE_INITS)
-    else:
-        inits = list(MULTI_NODE_INITS)
-    multi_node = world_size > cost_model.topology.ranks_per_node
-    if init is None and second_opinion is None and hot_rows(tiles).size:
-        inits += ["dealt", "dealt-nodes"] if multi_node else ["dealt"]
-    inits = _distinct_inits(tiles, inits, world_size, cost_model, sizes)
-    if len(inits) > len(SINGLE_NODE_INITS):
-        inits = _preselect(tiles, world_size, inits, cost_model, max_stages, sizes)
-    good_enough = GOOD_ENOUGH * _lower_bound(tiles, world_size, cost_model, sizes)
-    # one node, mostly long documents: every candidate, for the fewest bytes among the near-fastest
-    plan_all = not multi_node and _mostly_split_segments(tiles, world_size)
-    if plan_all and len(inits) > 1:
-        return _fewest_bytes_staging_few(tiles, world_size, inits, cost_model, max_stages, sizes, good_enough)
-    planned = []  # (time, order, placement) before relays
-    for name in inits:
-        placement, sim_time = _place(tiles, world_size, name, cost_model, max_stages, sizes, relays=False)
-        planned.append((sim_time, len(planned), placement))
-        if sim_time <= good_enough and not plan_all:
-            break  # cannot gain more than a few percent: skip the other candidates
-    if not multi_node:
-        return _fewest_bytes(tiles, [placement for _, _, placement in planned], good_enough, sizes)
-    # several nodes: relays (hot KV blocks cross each inter-node link once and fan out over NVLink)
-    # are weighed for the RELAY_TOP fastest candidates only
-    # finalists: (placement, balanced relay-aware already)
-    finalists = [(placement, False) for _, _, placement in sorted(planned, key=lambda item: item[:2])[:RELAY_TOP]]
-    if second_opinion is not None:
-        homes = [_initial_home(tiles, world_size, name, cost_model, sizes) for name in opinion_inits]
-        for seed in second_opinion:
-            if not any(np.array_equal(home, seed) for home in homes):
-                homes.append(seed)  # (the first plan's homes are often hierarchical's own)
-        if not homes:  # (the NIC-shy pass on merged blocks, its seed not whole merged blocks)
-            return []
-        finalists = [(_place(tiles, world_size, None, cost_model, max_stages, sizes, home=home, relays=relays,
-                             relay_aware=True, spread_sends=True, nic_scale=nic_scale)[0], True) for home in homes]
-    elif multi_node and min(t for t, _, _ in planned) > good_enough:
-        if relays:
-            finalists = [(add_relays(tiles, placement, world_size=world_size, cost_model=cost_model,
-                                     max_stages=max_stages, sizes=sizes), False) for placement, _ in finalists]
-        # plus candidates balanced on the premise of relays (KV already on a node priced as NVLink),
-        # scored with their relays: ranked before relays they would look slow
-        finalists += [(_place(tiles, world_size, name, cost_model, max_stages, sizes, relays=relays,
-                              relay_aware=True)[0], True)
-                      for name in [n for n in RELAY_AWARE_INITS if n in inits]
-                      + (list(RELAY_AWARE_EXTRA) if init is None else [])]
-    finalists.sort(key=lambda item: item[0].sim_time)  # stable: first of equals in candidate order
-    if relays and multi_node and finalists[0][0].sim_time > good_enough:
-        # the refinements gain unequally: the two fastest finalists are refined, the faster result kept
-        # (three with "hierarchical-fcp-wide" among the candidates: see WIDE_REFINE_TOP)
-        refined = []
-        top = WIDE_REFINE_TOP if "hierarchical-fcp-wide" in inits else REFINE_TOP
-        for placement, balanced in finalists[:top]:
-            if not balanced:  # (a relay-aware finalist would meet the same balancer on the same homes)
-                placement = _relay_balanced(tiles, placement, world_size, cost_model, max_stages, sizes)
-            refined.append((_restaged(tiles, placement, world_size, cost_model, max_stages, sizes), balanced))
-        finalists = refined
-    if every_finalist:
-        fastest = min(placement.sim_time for placement, _ in finalists)
-        return sorted((placement for placement, _ in finalists if placement.sim_time <= RECHECK * fastest),
-                      key=lambda placement: placement.sim_time)
-    return min(finalists, key=lambda item: item[0].sim_time)[0]
-
-
-def _with_merged_schedule(tiles: TileSet, coarse: TileSet, of_fine: np.ndarray, factor: int, fine: Placement,
-                          plan: Placement, world_size: int) -> Placement:
-    """``fine`` (real tiles with the merged ``plan``'s ranks and both stages, no relays) with its schedule,
-    derived from the merged tiles (planner/schedule.py ``derive_schedule_merged``) where its stages are
-    compact already, as make_plan would have them; else as it is (make_plan derives it). Same schedules
-    (126 one-node plans of three draws on 8 and 32 ranks); runs alternated, min of 7: the long-tail
-    128K / 8 batches 13.9 / 10.7 / 15.8 -> 13.0 / 10.3 / 14.7 ms, a 213K-tile Wikipedia one 21.4 -> 19.3 ms,
-    batches merged 2x (40-90K tiles) within noise."""
-    stage, num_stages = compact_stages(plan.tile_stage)
-    if not np.array_equal(stage, plan.tile_stage):
-        return fine
-    schedule = derive_schedule_merged(tiles, coarse, of_fine, factor, plan.block_home, plan.tile_rank,
-                                      plan.tile_stage, plan.tile_stage_bwd, num_stages=num_stages,
-                                      world_size=world_size)
-    return replace(fine, schedule=schedule)
-
-
-def _distinct_inits(tiles: TileSet, inits: list, world_size: int, cost_model: CostModel, sizes: dict) -> list:
-    """``inits`` without the candidates that would give another candidate's homes, so the same plan is
-    not balanced and staged twice: "fcp" where it gives "fcp-docs"' (fcp_home depends on ``documents``
-    through the segments alone, and where no document starts inside a block that the cut by tile
-    counts keeps - causal_blockwise, most long-tail batches - they are the same), and
-    "hierarchical-fcp-wide" where no segment is split differently from "hierarchical-fcp" (166 of the
-    189 multi-node benchmark cases of seeds 0, 1 and 777)."""
-    from .fcp import segments
-
-    drop = set()
-    if "fcp" in inits and "fcp-docs" in inits and np.array_equal(segments(tiles), segments(tiles, documents=True)):
-        drop.add("fcp")
-    wide = "hierarchical-fcp-wide"
-    if wide in inits and "hierarchical-fcp" in inits and np.array_equal(
-            _initial_home(tiles, world_size, wide, cost_model, sizes),
-            _initial_home(tiles, world_size, "hierarchical-fcp", cost_model, sizes)):
-        drop.add(wide)
-    return [name for name in inits if name not in drop]
-
-
-def _mostly_split_segments(tiles: TileSet, world_size: int) -> bool:
-    """Whether most of the compute lies in segments (planner/fcp.py ``segments``, documents cut at the
-    blocks they start in, so short documents that share blocks stay apart) longer than a rank's memory
-    share: cut up in any placement, where runs along memory ("contiguous") may read less KV than FCP's
-    zigzag groups (the long-tail benchmark batches on 8 ranks, and Wikipedia batch 2 with its long
-    documents)."""
-    from .fcp import segments
-
-    bounds = segments(tiles, documents=True)
-    work = np.bincount(tiles.q, weights=tiles.pairs, minlength=tiles.num_blocks)
-    prefix = prefix_sums(work)
-    long = np.diff(bounds) > -(-tiles.num_blocks // world_size)
-    return float((prefix[bounds[1:]] - prefix[bounds[:-1]])[long].sum()) > 0.5 * prefix[-1]
-
-
-def _fewest_bytes(tiles: TileSet, planned: list, good_enough: float, sizes: dict) -> Placement:
-    """The fastest of the candidates ``planned`` (scored Placements), or among those within BYTES_SLACK
-    of it and within ``good_enough`` (seconds) the one that moves the fewest bytes."""
-    fastest = min(planned, key=lambda p: p.sim_time)  # first of equals in candidate order
-    near = [p for p in planned if p.sim_time <= min(good_enough, BYTES_SLACK * fastest.sim_time)]
-    if len(near) < 2:
-        return fastest
-    return min(near, key=lambda p: _schedule_bytes(tiles, p, sizes))
-
-
-def _fewest_bytes_staging_few(tiles: TileSet, world_size: int, inits: list, cost_model: CostModel, max_stages: int,
-                              sizes: dict, good_enough: float) -> Placement:
-    """``_fewest_bytes`` over the one-node candidates ``inits``, every one balanced but only those staged
-    and scored that the choice needs. On one node a plan's bytes follow from its homes and tile ranks
-    alone (``moved_bytes``) and its time is at least its busiest rank's compute (``_time_floor``): the
-    candidate moving the fewest bytes, once staged, is the choice itself where it lies within
-    ``good_enough`` and within BYTES_SLACK of every other candidate's floor; otherwise every candidate is
-    staged and compared as before. Same plan, ~1/3 less planning on 128K / 8 batches whose long documents
-    have every candidate planned."""
-    balanced = [_balanced(tiles, world_size, name, cost_model, sizes) for name in inits]
-    moved = [moved_bytes(tiles, home, rank, sizes) for home, rank in balanced]
-    fewest = min(range(len(inits)), key=lambda i: (moved[i], i))  # first of equals in candidate order
-    first = _staged(tiles, world_size, *balanced[fewest], cost_model, max_stages, sizes)
-    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
-    others = min(_time_floor(rank, flops, world_size, cost_model)
-                 for i, (_, rank) in enumerate(balanced) if i != fewest)
-    if first.sim_time <= min(good_enough, BYTES_SLACK * others):
-        return first
-    planned = [first if i == fewest else _staged(tiles, world_size, *balanced[i], cost_model, max_stages, sizes)
-               for i in range(len(inits))]
-    return _fewest_bytes(tiles, planned, good_enough, sizes)
-
-
-def _preselect(tiles: TileSet, world_size: int, inits: list, cost_model: CostModel, max_stages: int,
-               sizes: dict) -> list:
-    """Rank the candidate initial placements on a 2x-merged copy of the batch (a quarter of the
-    tiles) and keep the best SELECT_KEEP: the full-resolution plan is then built for those only.
-    The ranking of candidates is stable under merging, their absolute times are not (measured in
-    bench/bench_planner.py), so the choice among the survivors is still made at full resolution."""
-    if (tiles.num_tiles < SELECT_MIN_TILES
-            or tiles.num_blocks // 2 < SELECT_MIN_BLOCKS_PER_RANK * world_size):
-        return inits
-    coarse, _ = coarsen(tiles, 2)
-    lower_bound = _lower_bound(coarse, world_size, cost_model, sizes)
-    scored = []
-    for name in inits:
-        scored.append((_place(coarse, world_size, name, cost_model, max_stages, sizes, relays=False)[1], len(scored),
-                       name))
-        if scored[-1][0] <= GOOD_ENOUGH * lower_bound:
-            break
-    return [name for _t, _i, name in sorted(scored)[:SELECT_KEEP]]
-
-

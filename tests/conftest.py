@@ -28,9 +28,9 @@ def skip_backward_deferral(monkeypatch):
     (``with_deferred_backward`` returns the plan it is given) for the rest of the test."""
 
     def skip():
-        import blockattn.planner.dcp as dcp_module
+        from dcp_modules import set_dcp
 
-        monkeypatch.setattr(dcp_module, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
+        set_dcp(monkeypatch, "with_deferred_backward", lambda tiles, placement, *args, **kwargs: placement)
 
     return skip
 
@@ -41,10 +41,10 @@ def skip_replan(monkeypatch):
     thresholds, several nodes and one node) for the rest of the test."""
 
     def skip():
-        import blockattn.planner.dcp as dcp_module
+        from dcp_modules import set_dcp
 
         for name in ("REPLAN_FROM", "REPLAN_FROM_ONE_NODE"):
-            monkeypatch.setattr(dcp_module, name, float("inf"))
+            set_dcp(monkeypatch, name, float("inf"))
 
     return skip
 
@@ -55,9 +55,9 @@ def skip_deal_pass(monkeypatch):
     their node's ranks, ``DEAL_PASS_FROM``) for the rest of the test."""
 
     def skip():
-        import blockattn.planner.dcp as dcp_module
+        from dcp_modules import set_dcp
 
-        monkeypatch.setattr(dcp_module, "DEAL_PASS_FROM", float("inf"))
+        set_dcp(monkeypatch, "DEAL_PASS_FROM", float("inf"))
 
     return skip
 
@@ -68,9 +68,9 @@ def skip_level_pass(monkeypatch):
     node over the cap leveling its own ranks, ``LEVEL_PASS``) for the rest of the test."""
 
     def skip():
-        import blockattn.planner.dcp as dcp_module
+        from dcp_modules import set_dcp
 
-        monkeypatch.setattr(dcp_module, "LEVEL_PASS", False)
+        set_dcp(monkeypatch, "LEVEL_PASS", False)
 
     return skip
 
@@ -82,10 +82,10 @@ def skip_polish(monkeypatch):
     measure what one earlier pass gains."""
 
     def skip():
-        import blockattn.planner.dcp as dcp_module
+        from dcp_modules import set_dcp
 
         for name in ("polish_forward", "polish_backward"):
-            monkeypatch.setattr(dcp_module, name, lambda tiles, placement, **kwargs: placement)
+            set_dcp(monkeypatch, name, lambda tiles, placement, **kwargs: placement)
 
     return skip
 
@@ -95,6 +95,6 @@ def skip_fcp_plan(monkeypatch):
     """A function that, called, switches off dcp's last step, weighing the fcp strategy's own plan
     (``FCP_PLAN_LAST``), for the rest of the test: for tests that measure what one earlier pass gains."""
     def skip():
-        import blockattn.planner.dcp as dcp_module
-        monkeypatch.setattr(dcp_module, "FCP_PLAN_LAST", False)
+        from dcp_modules import set_dcp
+        set_dcp(monkeypatch, "FCP_PLAN_LAST", False)
     return skip

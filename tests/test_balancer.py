@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from blockattn.masks import MaskSpec
 from blockattn.planner import CostModel, Topology
+from blockattn.planner import candidates as candidates_module
 from blockattn.planner.schedule import KIND_KV, payload_bytes
 
 from batches import long_tail_docs
@@ -204,14 +205,13 @@ def test_relay_aware_balancing_lets_a_hot_rank_shed_to_its_node_mates():
 def _balanced_peak(docs: list, ranks_per_node: int, **pricing) -> float:
     """Max / mean compute over 8 ranks after the Balancer (``pricing``: relay_aware, spread_sends), from
     the "hierarchical" homes of these causal documents (blocks of 128, Llama-3-8B heads)."""
-    from blockattn.planner import dcp as dcp_module
     from blockattn.planner.balance import Balancer
     from blockattn.planner.tiles import TileSet
 
     tiles = TileSet.from_block_mask(MaskSpec.documents(docs).block_mask(128))
     cm = CostModel(topology=Topology(ranks_per_node=ranks_per_node))
     sizes = dict(element_size=2, **HEADS)
-    home = dcp_module._initial_home(tiles, 8, "hierarchical", cm, sizes)
+    home = candidates_module._initial_home(tiles, 8, "hierarchical", cm, sizes)
     compute = cm.tile_flops(tiles.pairs, num_q_heads=32, head_dim=128) / cm.fwd_rate
     rank = Balancer(tiles, home, compute, 8, cm.topology, **pricing, **sizes).run()
     load = np.bincount(rank, weights=compute, minlength=8)

@@ -1,5 +1,5 @@
 """Widely read KV on one node: fanned out through its first readers (planner/fanout.py) and dealt over
-the ranks by the deal pass (planner/dcp.py WIDELY_READ)."""
+the ranks by the deal pass (planner/passes.py WIDELY_READ)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from blockattn.planner.fanout import fanout_candidates
 from blockattn.planner.schedule import KIND_DKV, KIND_KV
 
 from batches import shared_question_answers
+from dcp_modules import set_dcp
 
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 
@@ -34,11 +35,10 @@ def _question_kv_from_homes(plan, blocks) -> int:
 def _one_node_plan(monkeypatch, spec, world_size: int, **flags):
     """dcp's plan of ``spec`` on one node of ``world_size`` ranks (block 64, checked), with planner/dcp.py
     constants set from ``flags``."""
-    import blockattn.planner.dcp as dcp_module
 
     with monkeypatch.context() as patch:
         for name, value in flags.items():
-            patch.setattr(dcp_module, name, value)
+            set_dcp(patch, name, value)
         clear_plan_cache()
         plan = make_plan(spec, world_size, block_size=64, topology=Topology(ranks_per_node=world_size), **HEADS)
     clear_plan_cache()

@@ -12,10 +12,14 @@ from hypothesis import strategies as st
 
 from blockattn.masks import MaskSpec
 from blockattn.planner import CostModel, Topology, clear_plan_cache, make_plan
+from blockattn.planner import candidates as candidates_module
+from blockattn.planner import first_pass as first_pass_module
+from blockattn.planner import passes as passes_module
 from blockattn.planner.dcp import SEARCH_STEPS
 from blockattn.planner.schedule import KIND_KV, payload_bytes
 
 from batches import long_tail_docs, short_docs
+from dcp_modules import set_dcp
 
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)  # Llama-3-8B attention: compute-bound tiles
 SIZES = dict(HEADS, element_size=2, grad_element_size=4)  # dcp's payload sizes: bf16 inputs, fp32 partials
@@ -451,11 +455,10 @@ def test_node_local_deferral_path_keeps_cross_node_partials_early(monkeypatch, s
     (``DEFER_VARIANT_SETS``) keep the groups whose dK/dV partials cross nodes in backward stage 0, where
     deferring them left a proxy's NIC sending the summed partials after all compute: 1.148 -> 1.077x
     the bound. The plans are checked (make_plan's default)."""
-    import blockattn.planner.dcp as dcp_module
     import blockattn.planner.stages_bwd as stages_bwd_module
 
     spec = MaskSpec.documents(long_tail_docs(1, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
-    monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
+    set_dcp(monkeypatch, "SPREAD_PASS", False)
     skip_deal_pass()  # (it would rescue the plain deferral's plan)
     skip_polish()  # (measured with the polishes: 1.023 against 1.074; the backward polish moves late partials too)
 
@@ -525,9 +528,8 @@ def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide
     NICs priced slower (``NIC_SHY_SCALES``) keep more compute on its node, half the inter-node bytes
     for a 4% larger imbalance: 1.337 -> 1.194x the bound. The plans are checked (make_plan's default)."""
     skip_polish()  # (measured without the last step, the forward polish)
-    import blockattn.planner.dcp as dcp_module
 
-    monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)  # (the pass after it, from the kept homes too)
+    set_dcp(monkeypatch, "SPREAD_PASS", False)  # (the pass after it, from the kept homes too)
     skip_deal_pass()  # (and the one after that)
     rng = np.random.default_rng(5)
     spec = MaskSpec.documents(rng.integers(4000, 16000, 2).tolist() + rng.integers(64, 2000, 20).tolist())
@@ -540,7 +542,7 @@ def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide
                 s["bytes_inter_node_fwd"] + s["bytes_inter_node_bwd"], flops.max() / flops.mean())
 
     shy = plan_stats()
-    monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())
+    set_dcp(monkeypatch, "NIC_SHY_SCALES", ())
     plain = plan_stats()
     assert shy[0] < 0.92 * plain[0]
     assert shy[1] < 0.6 * plain[1]  # fewer bytes between nodes ...
@@ -555,7 +557,6 @@ def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(mo
     alone brings this batch to 1.077x, so the spread pass would have nothing to do). The plans are
     checked (make_plan's default)."""
     skip_polish()  # (measured without the last step, the forward polish)
-    import blockattn.planner.dcp as dcp_module
     import blockattn.planner.stages_bwd as stages_bwd_module
     from blockattn.planner.tiles import TileSet
 
@@ -570,12 +571,12 @@ def test_spread_pass_deals_the_blocks_other_nodes_read_over_their_nodes_ranks(mo
         return make_plan(spec, 8, block_size=128, topology=topo, **HEADS)
 
     spread = plan()
-    monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
+    set_dcp(monkeypatch, "SPREAD_PASS", False)
     kept = plan()
-    assert _over_bound(kept.stats()) > dcp_module.NIC_SHY_FROM
+    assert _over_bound(kept.stats()) > passes_module.NIC_SHY_FROM
     assert _over_bound(spread.stats()) < 0.95 * _over_bound(kept.stats())
     tiles = TileSet.from_block_mask(spec.block_mask(128))
-    starts = dcp_module._spread_homes(tiles, _placement_of(kept), 8, topo)
+    starts = passes_module._spread_homes(tiles, _placement_of(kept), 8, topo)
     assert len(starts) == 2 and not any(np.array_equal(start, kept.block_home.numpy()) for start in starts)
     assert any(np.array_equal(start, spread.block_home.numpy()) for start in starts)
     for start in starts:  # same tokens per rank, same nodes
@@ -590,7 +591,6 @@ def test_nic_shy_and_spread_passes_take_rounds(monkeypatch, skip_replan, skip_de
     re-plan that follow the passes, which rescue the one-round plan). The plans are checked (make_plan's
     default)."""
     skip_polish()  # (measured without the last step, the forward polish)
-    import blockattn.planner.dcp as dcp_module
 
     skip_replan()
     skip_deal_pass()
@@ -602,9 +602,9 @@ def test_nic_shy_and_spread_passes_take_rounds(monkeypatch, skip_replan, skip_de
         return _over_bound(s)
 
     rounds = over_bound()
-    monkeypatch.setattr(dcp_module, "PASS_ROUNDS", 1)
+    set_dcp(monkeypatch, "PASS_ROUNDS", 1)
     one = over_bound()
-    assert one > dcp_module.NIC_SHY_FROM
+    assert one > passes_module.NIC_SHY_FROM
     assert rounds < 0.95 * one
 
 
@@ -615,7 +615,6 @@ def test_dcp_last_passes_only_add_candidates(monkeypatch, skip_deal_pass, total,
     and spread passes, no spread pass, no NIC-shy pass either, slowest last (8 ranks, 4 per node,
     long-tail batches where the passes gain: 1.280, 1.387, 1.387, 1.387, 1.411; 1.160, 1.252, 1.252,
     1.252, 1.295; 1.120, 1.131, 1.179, 1.245, 1.245x the bound, with the re-plan after them)."""
-    import blockattn.planner.dcp as dcp_module
 
     docs = MaskSpec.documents(long_tail_docs(seed, total))
     spec = docs if mask == "causal" else docs & MaskSpec.lambda_mask(total, 64, 4096)
@@ -628,11 +627,11 @@ def test_dcp_last_passes_only_add_candidates(monkeypatch, skip_deal_pass, total,
     times = [sim_time()]
     skip_deal_pass()
     times.append(sim_time())
-    monkeypatch.setattr(dcp_module, "PASS_ROUNDS", 1)
+    set_dcp(monkeypatch, "PASS_ROUNDS", 1)
     times.append(sim_time())
-    monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
+    set_dcp(monkeypatch, "SPREAD_PASS", False)
     times.append(sim_time())
-    monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())
+    set_dcp(monkeypatch, "NIC_SHY_SCALES", ())
     times.append(sim_time())
     assert all(a <= b * (1 + 1e-12) for a, b in zip(times, times[1:])), times
 
@@ -679,7 +678,6 @@ def test_fcp_candidate_dropped_only_where_it_repeats_fcp_docs(monkeypatch, world
     """dcp plans "fcp" only where its homes differ from "fcp-docs"': with no document starting inside a
     block (causal_blockwise) their segments, and so their homes, are the same, the candidate is dropped
     and the plan is the one planning both gives; packed documents starting inside blocks keep both."""
-    import blockattn.planner.dcp as dcp_module
     from blockattn.planner.fcp import fcp_home
     from blockattn.planner.tiles import TileSet
 
@@ -692,7 +690,7 @@ def test_fcp_candidate_dropped_only_where_it_repeats_fcp_docs(monkeypatch, world
         by_tile_counts, by_documents = (fcp_home(tiles, world_size, documents=docs, **sizes) for docs in (False, True))
         same = np.array_equal(by_tile_counts, by_documents)
         assert same == repeats
-        kept = dcp_module._distinct_inits(tiles, ["fcp-docs", "fcp", "contiguous"], world_size, cost_model,
+        kept = first_pass_module._distinct_inits(tiles, ["fcp-docs", "fcp", "contiguous"], world_size, cost_model,
                                           SIZES)
         assert kept == (["fcp-docs", "contiguous"] if repeats else ["fcp-docs", "fcp", "contiguous"])
 
@@ -701,12 +699,11 @@ def test_fcp_candidate_dropped_only_where_it_repeats_fcp_docs(monkeypatch, world
 
 def _assert_dedupe_keeps_the_plan(monkeypatch, spec, world_size: int, topology) -> None:
     """dcp's plan of ``spec`` equals the one it gives planning every candidate (``_distinct_inits`` off)."""
-    import blockattn.planner.dcp as dcp_module
 
     clear_plan_cache()
     deduped = make_plan(spec, world_size, block_size=128, topology=topology, **HEADS)
     with monkeypatch.context() as patch:
-        patch.setattr(dcp_module, "_distinct_inits", lambda tiles, inits, *args: inits)
+        set_dcp(patch, "_distinct_inits", lambda tiles, inits, *args: inits)
         clear_plan_cache()
         both = make_plan(spec, world_size, block_size=128, topology=topology, **HEADS)
     assert deduped.fingerprint() == both.fingerprint()
@@ -720,7 +717,6 @@ def test_wide_node_packing_splits_a_heavy_document_over_nodes_and_is_dropped_whe
     pricing (node compute 74% / 26%) and splits it under the wide one (50% / 50%); dcp's plan is faster
     with the candidate. Where both give the same homes (no document heavier than a node) the candidate
     is dropped and the plan is the one planning both gives."""
-    import blockattn.planner.dcp as dcp_module
     from blockattn.planner.tiles import TileSet
 
     lens = [2431, 538, 1904, 569, 1514, 1427, 1652, 2731, 879, 2159, 955, 2187, 1168, 601, 172, 11694, 187]
@@ -732,27 +728,27 @@ def test_wide_node_packing_splits_a_heavy_document_over_nodes_and_is_dropped_whe
     doc = np.arange(tiles.num_blocks)[(total - 187 - 11694) // 128 + 1:(total - 187) // 128]  # its whole blocks
     node_share = {}
     for init in ("hierarchical-fcp", "hierarchical-fcp-wide"):
-        home = dcp_module._initial_home(tiles, 8, init, cost_model, SIZES)
+        home = candidates_module._initial_home(tiles, 8, init, cost_model, SIZES)
         assert np.bincount(home, minlength=8).max() <= -(-tiles.num_blocks // 8)  # memory as balanced
         work = np.bincount(home[tiles.q] // 4, weights=tiles.pairs, minlength=2)
         node_share[init] = (work.max() / work.sum(), np.unique(home[doc] // 4).size)
     assert node_share["hierarchical-fcp"][0] > 0.7 and node_share["hierarchical-fcp"][1] == 1
     assert node_share["hierarchical-fcp-wide"][0] < 0.52 and node_share["hierarchical-fcp-wide"][1] == 2
-    assert "hierarchical-fcp-wide" in dcp_module._distinct_inits(tiles, list(dcp_module.MULTI_NODE_INITS), 8,
-                                                                 cost_model, SIZES)
+    inits = list(first_pass_module.MULTI_NODE_INITS)
+    assert "hierarchical-fcp-wide" in first_pass_module._distinct_inits(tiles, inits, 8, cost_model, SIZES)
 
     clear_plan_cache()
     with_wide = make_plan(spec, 8, block_size=128, topology=topology, **HEADS)
-    narrow_only = tuple(name for name in dcp_module.MULTI_NODE_INITS if name != "hierarchical-fcp-wide")
+    narrow_only = tuple(name for name in first_pass_module.MULTI_NODE_INITS if name != "hierarchical-fcp-wide")
     with monkeypatch.context() as patch:
-        patch.setattr(dcp_module, "MULTI_NODE_INITS", narrow_only)
+        set_dcp(patch, "MULTI_NODE_INITS", narrow_only)
         clear_plan_cache()
         without = make_plan(spec, 8, block_size=128, topology=topology, **HEADS)
     assert _over_bound(with_wide.stats()) < 0.97 * _over_bound(without.stats())  # 1.18 vs 1.24x when written
 
     short = MaskSpec.documents([900, 1500, 700, 2100, 1300, 800, 1700, 1100] * 2)
     short_tiles = TileSet.from_block_mask(short.block_mask(128))
-    kept = dcp_module._distinct_inits(short_tiles, list(dcp_module.MULTI_NODE_INITS), 8, cost_model, SIZES)
+    kept = first_pass_module._distinct_inits(short_tiles, inits, 8, cost_model, SIZES)
     assert "hierarchical-fcp-wide" not in kept and "hierarchical-fcp" in kept
     _assert_dedupe_keeps_the_plan(monkeypatch, short, 8, topology)
 
@@ -768,7 +764,7 @@ def test_dcp_replans_its_slow_one_node_plans_with_the_duplex_estimate(monkeypatc
     spec = MaskSpec.documents(long_tail_docs(1, 32768))
     topology = Topology(ranks_per_node=32)
     with monkeypatch.context() as patch:
-        patch.setattr(dcp_module, "REPLAN_DUPLEX", False)
+        set_dcp(patch, "REPLAN_DUPLEX", False)
         clear_plan_cache()
         without = _over_bound(make_plan(spec, 32, block_size=64, topology=topology, **HEADS).stats())
     seen = []
@@ -791,7 +787,6 @@ def test_dcp_keeps_a_duplex_replan_only_where_it_is_worth_its_bytes(monkeypatch)
     the kept plan (1.072 against 1.091x the bound) but moves 1.25x its bytes, more than that pays for
     (``_worth_its_bytes``), so dcp keeps its plan (the same fingerprint as without the duplex re-plan);
     taken on time alone it would be kept."""
-    import blockattn.planner.dcp as dcp_module
 
     spec = MaskSpec.documents(long_tail_docs(0, 32768))
     topology = Topology(ranks_per_node=16)
@@ -802,9 +797,9 @@ def test_dcp_keeps_a_duplex_replan_only_where_it_is_worth_its_bytes(monkeypatch)
 
     kept = plan()
     with monkeypatch.context() as patch:
-        patch.setattr(dcp_module, "REPLAN_DUPLEX", False)
+        set_dcp(patch, "REPLAN_DUPLEX", False)
         assert plan().fingerprint() == kept.fingerprint()
-    monkeypatch.setattr(dcp_module, "_worth_its_bytes", lambda *args: True)
+    set_dcp(monkeypatch, "_worth_its_bytes", lambda *args: True)
     on_time_alone = plan()
     clear_plan_cache()
     assert _over_bound(on_time_alone.stats()) < 0.99 * _over_bound(kept.stats())
@@ -839,7 +834,7 @@ def test_dcp_replans_its_slowest_plans_with_the_overlap_estimate(monkeypatch, sk
 
     monkeypatch.setattr(balance_module, "Balancer", spy)
     for name in ("REPLAN_FROM", "REPLAN_FROM_ONE_NODE"):
-        monkeypatch.setattr(dcp_module, name, 1.0)  # (every plan is over the bound)
+        set_dcp(monkeypatch, name, 1.0)  # (every plan is over the bound)
     clear_plan_cache()
     again = make_plan(spec, world_size, block_size=64, topology=topology, **HEADS)
     assert set(seen) == {0.0, dcp_module.REPLAN_OVERLAP}
@@ -855,12 +850,11 @@ def test_dcp_deal_pass_keeps_homes_with_a_heavy_piece_dealt_over_its_node(monkey
     faster plan kept: 8 ranks in two nodes of four, a 9110-token document among six shorter ones, 1.257 ->
     1.078x the bound, on one of the dealt homes (make_plan checks the plan)."""
     skip_polish()  # (measured without the last step, the forward polish)
-    import blockattn.planner.dcp as dcp_module
 
     spec = MaskSpec.documents([9110, 4563, 5977, 521, 1507, 935, 1588])
     topo = Topology(ranks_per_node=4)
     skip_replan()
-    real_dealt_homes = dcp_module._dealt_homes
+    real_dealt_homes = passes_module._dealt_homes
     offered = []
 
     def spy(*args, **kwargs):
@@ -868,7 +862,7 @@ def test_dcp_deal_pass_keeps_homes_with_a_heavy_piece_dealt_over_its_node(monkey
         offered.extend(homes)
         return homes
 
-    monkeypatch.setattr(dcp_module, "_dealt_homes", spy)
+    set_dcp(monkeypatch, "_dealt_homes", spy)
     sim = lambda plan: plan.stats()["sim_time_fwd"] + plan.stats()["sim_time_bwd"]  # noqa: E731
     clear_plan_cache()
     dealt = make_plan(spec, 8, block_size=64, topology=topo, **HEADS)
@@ -895,8 +889,8 @@ def test_a_dealt_plan_that_moves_more_bytes_must_gain_in_proportion(monkeypatch)
         return placement
 
     moved = {}
-    monkeypatch.setattr(dcp_module, "_schedule_bytes", lambda tiles, placement, sizes: moved[id(placement)])
-    slack = dcp_module.BYTES_SLACK - 1.0
+    set_dcp(monkeypatch, "_schedule_bytes", lambda tiles, placement, sizes: moved[id(placement)])
+    slack = first_pass_module.BYTES_SLACK - 1.0
     result = plan(1.0, 100.0)
     for sim_time, nbytes, kept in [(0.999, 100.0, True), (0.999, 50.0, True), (1 - 0.9 * slack, 101.0, False),
                                    (1 - 1.1 * slack, 100.0, True), (1 - 1.9 * slack, 200.0, False),
@@ -924,7 +918,7 @@ def test_nic_shy_pass_without_whole_merged_seed_homes_keeps_the_plan(monkeypatch
             shy_results.append(result)
         return result
 
-    monkeypatch.setattr(dcp_module, "_dcp", recording_dcp)
+    set_dcp(monkeypatch, "_dcp", recording_dcp)
     clear_plan_cache()
     plan = make_plan(spec, 30, block_size=32, topology=Topology(ranks_per_node=3), max_stages=2,
                      grad_comm_dtype=torch.bfloat16, **HEADS)
@@ -941,11 +935,10 @@ def test_one_large_node_splits_the_backward_stages_where_faster(monkeypatch, ski
     (From one start, since which start ends fastest depends on the restaging too, and without the
     deferral of ``with_deferred_backward`` and the polishes, which hide the same gap: either would
     confound it; with the polishes 1.036 -> 1.022.)"""
-    import blockattn.planner.dcp as dcp_module
     import blockattn.planner.finish as finish_module
 
     skip_polish()
-    monkeypatch.setattr(dcp_module, "SINGLE_NODE_INITS", ("fcp",))
+    set_dcp(monkeypatch, "SINGLE_NODE_INITS", ("fcp",))
     skip_backward_deferral()
     lens = np.random.default_rng(2).integers(64, 4000, 40).tolist()
     spec = MaskSpec.documents(lens)
@@ -976,8 +969,8 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferra
     from blockattn.planner.tiles import TileSet
 
     skip_backward_deferral()
-    monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())
-    monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)
+    set_dcp(monkeypatch, "NIC_SHY_SCALES", ())
+    set_dcp(monkeypatch, "SPREAD_PASS", False)
     skip_deal_pass()
     skip_level_pass()
 
@@ -991,7 +984,7 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferra
     threshold = dcp_module.SECOND_OPINION
     final = plan()
     check_plan(final)
-    monkeypatch.setattr(dcp_module, "SECOND_OPINION", float("inf"))
+    set_dcp(monkeypatch, "SECOND_OPINION", float("inf"))
     first = plan()
     tiles = TileSet.from_block_mask(spec.block_mask(128))
     cm = CostModel(topology=topo)
@@ -1000,7 +993,7 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferra
     finalists = dcp_module._dcp(tiles, 6, cm, 4, sizes, None, second_opinion=[first.block_home.numpy()],
                                 every_finalist=True)
     times = [p.sim_time for p in finalists]
-    assert times == sorted(times) and times[-1] <= dcp_module.RECHECK * times[0]
+    assert times == sorted(times) and times[-1] <= first_pass_module.RECHECK * times[0]
     second = min((dcp_module._with_transit(tiles, p, 6, cm, sizes) for p in finalists), key=lambda p: p.sim_time)
 
     def time(p):
@@ -1061,10 +1054,10 @@ def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch, sk
             starts.append(np.asarray(home).copy())
         return original_place(tiles_, world_size, init, *args, home=home, spread_sends=spread_sends, **kwargs)
 
-    monkeypatch.setattr(dcp_module, "_dcp", recording_dcp)
-    monkeypatch.setattr(dcp_module, "_place", recording_place)
-    monkeypatch.setattr(dcp_module, "NIC_SHY_SCALES", ())  # (its pass re-balances the kept homes the same way)
-    monkeypatch.setattr(dcp_module, "SPREAD_PASS", False)  # (and so does the spread pass, from spread homes)
+    set_dcp(monkeypatch, "_dcp", recording_dcp)
+    set_dcp(monkeypatch, "_place", recording_place)
+    set_dcp(monkeypatch, "NIC_SHY_SCALES", ())  # (its pass re-balances the kept homes the same way)
+    set_dcp(monkeypatch, "SPREAD_PASS", False)  # (and so does the spread pass, from spread homes)
     skip_replan()  # (the re-plan would seed its own second opinion)
     skip_deal_pass()  # (and so would the deal pass, from dealt homes)
     skip_level_pass()  # (and the leveling pass, from the kept homes)
@@ -1074,8 +1067,9 @@ def test_second_opinion_is_seeded_with_every_first_pass_finalist(monkeypatch, sk
         assert any(np.array_equal(first.block_home, seed) for seed in seeds[0])
     # every distinct start once: the SECOND_OPINION_INITS homes and the seeds not among them
     distinct = []
-    for home in [dcp_module._initial_home(tiles, 6, name, cm, sizes) for name in dcp_module.SECOND_OPINION_INITS] \
-            + seeds[0]:
+    opinion_homes = [candidates_module._initial_home(tiles, 6, name, cm, sizes)
+                     for name in first_pass_module.SECOND_OPINION_INITS]
+    for home in opinion_homes + seeds[0]:
         if not any(np.array_equal(home, seen) for seen in distinct):
             distinct.append(home)
     assert len(starts) == len(distinct)
@@ -1103,7 +1097,7 @@ def test_one_large_node_is_restaged_where_faster(monkeypatch, skip_backward_defe
     sizes = dict(element_size=2, grad_element_size=2, **HEADS)
     tiles = TileSet.from_block_mask(spec.block_mask(128))
     default_dcp_time = dcp_module.dcp(tiles, 12, cost_model=cm, max_stages=4, **sizes).sim_time
-    monkeypatch.setattr(dcp_module, "SINGLE_NODE_INITS", ("fcp",))
+    set_dcp(monkeypatch, "SINGLE_NODE_INITS", ("fcp",))
     first = dcp_module._scored(tiles, dcp_module._dcp(tiles, 12, cm, 4, sizes, None), 12, cm, sizes)
     restaged = dcp_module._restaged(tiles, first, 12, cm, 4, sizes)
     final = dcp_module.dcp(tiles, 12, cost_model=cm, max_stages=4, **sizes)
@@ -1122,7 +1116,7 @@ def test_relay_aware_rebalancing_only_replaces_a_slower_plan(mask):
     cm = CostModel(topology=Topology(ranks_per_node=2))
     sizes = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, element_size=2)
     base, _ = dcp_module._place(tiles, 6, "zigzag", cm, 4, sizes)
-    refined = dcp_module._relay_balanced(tiles, base, 6, cm, 4, sizes)
+    refined = candidates_module._relay_balanced(tiles, base, 6, cm, 4, sizes)
     aware, aware_time = dcp_module._place(tiles, 6, None, cm, 4, sizes, home=base.block_home, relay_aware=True)
     assert refined.sim_time == min(base.sim_time, aware_time)
     assert np.array_equal(refined.block_home, base.block_home)
@@ -1284,17 +1278,18 @@ def test_one_node_keeps_the_candidate_moving_the_fewest_bytes_among_near_equals(
                    for d in ("fwd", "bwd"))
 
     planned = {init: dcp_module._place(tiles, 6, init, cm, 4, sizes, relays=False)[0]
-               for init in dcp_module.SINGLE_NODE_INITS}
+               for init in first_pass_module.SINGLE_NODE_INITS}
     fcp, contiguous = planned["fcp"], planned["contiguous"]
     bound = dcp_module._lower_bound(tiles, 6, cm, sizes)
-    assert fcp.sim_time < contiguous.sim_time <= min(dcp_module.BYTES_SLACK * fcp.sim_time,
-                                                     dcp_module.GOOD_ENOUGH * bound)
+    assert fcp.sim_time < contiguous.sim_time <= min(first_pass_module.BYTES_SLACK * fcp.sim_time,
+                                                     first_pass_module.GOOD_ENOUGH * bound)
     assert moved(contiguous) < 0.85 * moved(fcp)
 
     candidates = list(planned.values())  # (in SINGLE_NODE_INITS order: first of equals kept)
     fastest = min(candidates, key=lambda p: p.sim_time)
     fewest = min((p for p in candidates
-                  if p.sim_time <= min(dcp_module.BYTES_SLACK * fastest.sim_time, dcp_module.GOOD_ENOUGH * bound)),
+                  if p.sim_time <= min(first_pass_module.BYTES_SLACK * fastest.sim_time,
+                                       first_pass_module.GOOD_ENOUGH * bound)),
                  key=moved)
     assert moved(fewest) < 0.85 * moved(fastest)
 
@@ -1307,7 +1302,7 @@ def test_one_node_keeps_the_candidate_moving_the_fewest_bytes_among_near_equals(
         kept = planned()
         assert np.array_equal(kept.tile_rank, expected.tile_rank)
         assert np.array_equal(kept.tile_stage, expected.tile_stage)
-        monkeypatch.setattr(dcp_module, "BYTES_SLACK", 1.0)
+        set_dcp(monkeypatch, "BYTES_SLACK", 1.0)
     make_plan(spec, 6, block_size=128, **HEADS)  # (check_plan on the kept plan)
 
 
@@ -1355,15 +1350,13 @@ def test_a_forced_init_plans_no_extra_relay_aware_finalist(monkeypatch):
     cm = CostModel(topology=Topology(ranks_per_node=2))
     sizes = dict(element_size=2, grad_element_size=4, **HEADS)
     calls = []
-    real = dcp_module._initial_home
+    real = candidates_module._initial_home
 
     def recording(tiles, world_size, init, cost_model, sizes):
         calls.append(init)
         return real(tiles, world_size, init, cost_model, sizes)
 
-    from blockattn.planner import candidates as candidates_module
-
-    monkeypatch.setattr(dcp_module, "_initial_home", recording)  # (the candidates named) ...
+    set_dcp(monkeypatch, "_initial_home", recording)  # (the candidates named) ...
     monkeypatch.setattr(candidates_module, "_initial_home", recording)  # ... and balanced
     dcp_module._dcp(tiles, 6, cm, 4, sizes, "fcp")
     assert set(calls) == {"fcp"}
@@ -1375,11 +1368,11 @@ def test_a_forced_init_plans_no_extra_relay_aware_finalist(monkeypatch):
 def test_mostly_split_segments_by_hand():
     """The one-node fewest-bytes rule looks at both candidates only where most of the compute lies in
     segments longer than a rank's memory (here 4096 tokens on 4 ranks of a 16K batch)."""
-    from blockattn.planner import dcp as dcp_module
     from blockattn.planner.tiles import TileSet
 
     def split(lens):
-        return dcp_module._mostly_split_segments(TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(128)), 4)
+        tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(128))
+        return first_pass_module._mostly_split_segments(tiles, 4)
 
     assert not split([1000] * 16 + [384])  # short documents: each fits a rank
     assert split([12000, 4384])  # one long document holds most of the compute

@@ -10,12 +10,14 @@ import pytest
 
 from blockattn.masks import MaskSpec
 from blockattn.planner import Topology, clear_plan_cache, make_plan
+from blockattn.planner import first_pass as first_pass_module
 from blockattn.planner.placement import Placement
 from blockattn.planner.polish import ForwardPolish, polish_forward
 from blockattn.planner.polish_bwd import BackwardPolish
 from blockattn.planner.tiles import TileSet
 
 from batches import long_tail_docs
+from dcp_modules import set_dcp
 
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 SIZES = dict(HEADS, element_size=2, grad_element_size=4)  # make_plan's defaults: bf16 inputs, fp32 partials
@@ -24,12 +26,11 @@ SIZES = dict(HEADS, element_size=2, grad_element_size=4)  # make_plan's defaults
 def _unpolished(monkeypatch, spec, world_size: int, topology: Topology, block: int, keep: str = ""):
     """dcp's plan with the polishes switched off (but ``keep``: "forward" / "backward"), and the
     Placement it was built from."""
-    import blockattn.planner.dcp as dcp_module
 
     with monkeypatch.context() as patch:
         for direction in ("forward", "backward"):
             if direction != keep:
-                patch.setattr(dcp_module, f"polish_{direction}", lambda tiles, placement, **kwargs: placement)
+                set_dcp(patch, f"polish_{direction}", lambda tiles, placement, **kwargs: placement)
         clear_plan_cache()
         plan = make_plan(spec, world_size, block_size=block, topology=topology, check=bool(keep), **HEADS)
     clear_plan_cache()
@@ -112,7 +113,6 @@ def test_incremental_state_equals_the_cost_model_and_undo_restores_it(monkeypatc
 def test_polished_plans_with_relays_stay_consistent(monkeypatch, seed):
     # every answer reads the question: relays forward it inside nodes, and a polished move of a proxy's
     # tiles must take its relay receivers along (check_plan: a relayed block is held a stage before)
-    import blockattn.planner.dcp as dcp_module
 
     seen = []
 
@@ -122,7 +122,7 @@ def test_polished_plans_with_relays_stay_consistent(monkeypatch, seed):
         seen.append((relays, out is not placement))
         return out
 
-    monkeypatch.setattr(dcp_module, "polish_forward", recording)
+    set_dcp(monkeypatch, "polish_forward", recording)
     rng = np.random.default_rng(seed)
     answers = [int(n) for n in rng.integers(64, 900, size=24)]
     for world_size, per_node in ((6, 2), (9, 3), (8, 4)):
@@ -206,7 +206,7 @@ def test_the_runner_up_is_polished_too_and_kept_where_it_ends_faster(monkeypatch
         polished.append((placement.sim_time, out.sim_time))
         return out
 
-    monkeypatch.setattr(dcp_module, "_polished", recording)
+    set_dcp(monkeypatch, "_polished", recording)
     clear_plan_cache()
     plan = make_plan(MaskSpec.documents(long_tail_docs(3, 30_000)), 8, block_size=128,
                      topology=Topology(ranks_per_node=4), check=True, **HEADS)
@@ -240,10 +240,10 @@ def test_a_plan_turned_down_for_its_bytes_is_polished_too_and_kept_where_it_then
         return stats["sim_time_fwd"] + stats["sim_time_bwd"], stats["bytes_fwd"] + stats["bytes_bwd"]
 
     with monkeypatch.context() as patch:
-        patch.setattr(dcp_module, "POLISH_BYTES_REJECTED", False)
+        set_dcp(patch, "POLISH_BYTES_REJECTED", False)
         clear_plan_cache()
         without, without_bytes = step(make_plan(spec, 8, block_size=64, topology=topology, check=True, **HEADS))
-    monkeypatch.setattr(dcp_module, "_worth_its_bytes", recording)
+    set_dcp(monkeypatch, "_worth_its_bytes", recording)
     clear_plan_cache()
     plan = make_plan(spec, 8, block_size=64, topology=topology, check=True, **HEADS)
     clear_plan_cache()
@@ -252,4 +252,4 @@ def test_a_plan_turned_down_for_its_bytes_is_polished_too_and_kept_where_it_then
     assert time < 0.95 * without
     # it moves more bytes (1.20x), and gains more than the bytes rule asks for them (8% against 2.4%)
     assert nbytes > without_bytes
-    assert 1 - time / without > (dcp_module.BYTES_SLACK - 1) * nbytes / without_bytes
+    assert 1 - time / without > (first_pass_module.BYTES_SLACK - 1) * nbytes / without_bytes

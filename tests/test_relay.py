@@ -48,7 +48,7 @@ def dcp_placement_without_relays(tiles, world_size, cost_model, sizes, max_stage
     """dcp's own balanced placement before any relay (make_plan adds relays itself, and on small
     batches may return a baseline placement instead), so tests can relay it themselves; ``init``
     forces dcp's initial data placement."""
-    from blockattn.planner.dcp import _dcp
+    from blockattn.planner.first_pass import _dcp
 
     own = _dcp(tiles, world_size, cost_model, max_stages, sizes, init, relays=False)
     return Placement(own.block_home, own.tile_rank, own.tile_stage)

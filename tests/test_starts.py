@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from blockattn.masks import MaskSpec
 from blockattn.planner import CostModel, Topology
+from blockattn.planner import candidates as candidates_module
 from blockattn.planner import starts as starts_module
 from blockattn.planner.schedule import KIND_KV, payload_bytes
 
@@ -46,13 +47,12 @@ def test_spread_read_blocks_deals_a_nodes_read_blocks_over_its_ranks(world_size,
     """``spread_read_blocks`` (the second opinion's "hierarchical-spread" start): a 20K-token document
     crossing nodes; inside each node the blocks other nodes read are dealt over the node's ranks (as
     evenly as their block counts allow), and every rank keeps its block count, every block its node."""
-    from blockattn.planner import dcp as dcp_module
     from blockattn.planner.tiles import TileSet
 
     tiles = TileSet.from_block_mask(MaskSpec.documents([3000, 20000, 1000, 4000, 500]).block_mask(128))
     topo = Topology(ranks_per_node=ranks_per_node)
     sizes = dict(element_size=2, grad_element_size=4, **HEADS)
-    home = dcp_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
+    home = candidates_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
     spread = starts_module.spread_read_blocks(tiles, home, topo)
     assert np.array_equal(np.bincount(spread, minlength=world_size), np.bincount(home, minlength=world_size))
     node = home // ranks_per_node
@@ -67,8 +67,9 @@ def test_spread_read_blocks_deals_a_nodes_read_blocks_over_its_ranks(world_size,
         if dealt.sum():
             # even, unless a rank ran out of blocks
             assert dealt.max() - dealt[dealt < count[ranks]].min(initial=dealt.max()) <= 1, (n, dealt, count[ranks])
-    assert np.array_equal(dcp_module._initial_home(tiles, world_size, "hierarchical-spread", CostModel(topology=topo),
-                                                   sizes), spread)
+    cost_model = CostModel(topology=topo)
+    assert np.array_equal(candidates_module._initial_home(tiles, world_size, "hierarchical-spread", cost_model, sizes),
+                          spread)
 
 
 @pytest.mark.parametrize("world_size,ranks_per_node", [(8, 4), (6, 4), (9, 3)])
@@ -78,14 +79,13 @@ def test_deal_heavy_pieces_deals_only_the_pieces_heavier_than_a_rank(world_size,
     holds several ranks' shares of compute there, are dealt round-robin over the node's ranks, so every
     rank holds about as many of them; the short documents' blocks stay where room allows. Every rank
     keeps its block count, every block its node, and homes with no heavy piece come back unchanged."""
-    from blockattn.planner import dcp as dcp_module
     from blockattn.planner.tiles import TileSet
 
     lens = [3000, 20000, 1000, 4000, 500]
     tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(128))
     topo = Topology(ranks_per_node=ranks_per_node)
     sizes = dict(element_size=2, grad_element_size=4, **HEADS)
-    home = dcp_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
+    home = candidates_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
     dealt = starts_module.deal_heavy_pieces(tiles, home, world_size, topo)
     assert np.array_equal(np.bincount(dealt, minlength=world_size), np.bincount(home, minlength=world_size))
     node = home // ranks_per_node
@@ -109,7 +109,7 @@ def test_deal_heavy_pieces_deals_only_the_pieces_heavier_than_a_rank(world_size,
     assert heavy_nodes >= 1
     # short documents only (each lighter than a rank's share): nothing is dealt
     tiles = TileSet.from_block_mask(MaskSpec.documents([700] * 40).block_mask(128))
-    home = dcp_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
+    home = candidates_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
     assert np.array_equal(starts_module.deal_heavy_pieces(tiles, home, world_size, topo), home)
 
 
@@ -120,14 +120,13 @@ def test_deal_heavy_pieces_keeps_memory_and_nodes_and_spreads_every_heavy_piece(
     """``deal_heavy_pieces`` on any batch: every rank keeps its block count, every block its node; the
     blocks of a piece heavier than a rank's share (by the function's own rule) land on as many of its
     node's ranks as hold room for them, up to the piece's size; a home with none comes back as it was."""
-    from blockattn.planner import dcp as dcp_module
     from blockattn.planner.fcp import segments
     from blockattn.planner.tiles import TileSet
 
     tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(block))
     topo = Topology(ranks_per_node=ranks_per_node)
     sizes = dict(element_size=2, grad_element_size=4, **HEADS)
-    home = dcp_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
+    home = candidates_module._initial_home(tiles, world_size, "hierarchical", CostModel(topology=topo), sizes)
     dealt = starts_module.deal_heavy_pieces(tiles, home, world_size, topo)
     assert np.array_equal(np.bincount(dealt, minlength=world_size), np.bincount(home, minlength=world_size))
     assert np.array_equal(dealt // ranks_per_node, home // ranks_per_node)
