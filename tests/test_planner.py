@@ -255,3 +255,15 @@ def test_a_schedule_derived_from_merged_tiles_equals_the_one_derived_from_every_
                            tile_stage_bwd=stage_bwd[of_fine])
     assert torch.equal(got.fwd, want.fwd) and torch.equal(got.bwd, want.bwd)
     assert got.num_stages == want.num_stages and got.world_size == want.world_size
+
+
+def test_a_schedule_from_merged_tiles_needs_blocks_merged_by_a_power_of_two():
+    from blockattn.planner.schedule import derive_schedule_merged
+    from blockattn.planner.tiles import TileSet, _coarsen
+
+    tiles = TileSet.from_block_mask(MaskSpec.causal(1000).block_mask(32))
+    merged, of_fine = _coarsen(tiles, 3)
+    zeros = np.zeros(merged.num_tiles, dtype=np.int64)
+    with pytest.raises(ValueError, match="power of two, got factor=3"):
+        derive_schedule_merged(tiles, merged, of_fine, 3, np.zeros(merged.num_blocks, dtype=np.int64), zeros, zeros,
+                               zeros, num_stages=1, world_size=1)
