@@ -110,7 +110,7 @@ class Balancer:
         self.num_nodes = int(self.node.max()) + 1
         self.node_kv = np.zeros((self.num_nodes, nB), dtype=np.int64) - 1  # a rank of the node holding b, or -1
         self.node_size = np.bincount(self.node, minlength=self.num_nodes)
-        self.node_start = np.cumsum(self.node_size) - self.node_size  # nodes are runs of consecutive ranks
+        self.node_start = np.r_[0, np.cumsum(self.node_size)[:-1]]  # nodes are runs of consecutive ranks
         self.has_out = np.zeros((P, nB), dtype=bool)
         self._scratch = np.zeros(nB, dtype=np.int64)
         blocks = np.arange(nB)
@@ -119,9 +119,9 @@ class Balancer:
         self.node_kv[self.node[home], blocks] = home
         remote = home[tiles.kv] != self.rank  # (only homes hold blocks yet: every remote read is new)
         self._add_kv(*self._distinct_pairs(self.rank[remote], tiles.kv[remote]))
-        pushed = self.rank != home[tiles.q]
-        if pushed.any():
-            self._add_pushed_q_out(*self._distinct_pairs(self.rank[pushed], tiles.q[pushed]))
+        pushed = np.flatnonzero(self.rank != home[tiles.q])
+        for t in np.unique(self.rank[pushed]).tolist():
+            self._add_q_out(pushed[self.rank[pushed] == t], t)
 
     # ------------------------------------------------------------------ bookkeeping
     def _link(self, a, b) -> np.ndarray:
@@ -162,20 +162,8 @@ class Balancer:
         np.add.at(self.send, (src, link), self.kv_bytes[kv])
         np.add.at(self.recv, (dst, link), self.kv_bytes[kv])
 
-    def _add_pushed_q_out(self, dst: np.ndarray, q: np.ndarray) -> None:
-        """``_add_q_out`` for the start's tiles off their q-home, all targets at once: the distinct (rank,
-        q-block) pairs ``dst``, ``q``; only homes hold Q blocks yet, so every pair receives its Q and sends
-        an OUT partial back (the byte counts are whole numbers: the sums equal the per-target ones)."""
-        src = self.home[q]
-        link = self._link(src, dst)
-        for a, b, nbytes in ((src, dst, self.q_bytes[q]), (dst, src, self.out_bytes[q])):
-            np.add.at(self.send, (a, link), nbytes)
-            np.add.at(self.recv, (b, link), nbytes)
-        self.have_q[dst, q] = True
-        self.has_out[dst, q] = True
-
     def _distinct_pairs(self, dst: np.ndarray, kv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The distinct (dst, block) pairs, ascending by ``dst * nB + block``."""
+        """The distinct (dst, kv) pairs, ascending by ``dst * nB + kv``."""
         if dst.size * 8 > self.have_kv.size:  # large batch: dedupe on the [P, nB] grid, no sort
             grid = np.zeros_like(self.have_kv)
             grid[dst, kv] = True
