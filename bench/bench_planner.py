@@ -34,8 +34,8 @@ from tqdm import tqdm
 
 from blockattn.masks import MaskSpec
 from blockattn.planner import Topology, clear_plan_cache, make_plan
-from blockattn.planner.dcp import SEARCH_STEPS
 from blockattn.planner.baselines import ring_rotation_bytes
+from blockattn.planner.dcp import SEARCH_STEPS
 from blockattn.planner.tiles import TileSet
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -334,10 +334,7 @@ class Balancer:
                 if stuck[r] or not np.any(self.C < self.mean):
                     continue
                 load_before = self.C[r]
-                mine = by_rank[bounds[r]:bounds[r + 1]]
-                mine = mine[self.rank[mine] == r]
-                self._shed_rows(r, mine)
-                self._shed_rectangles(r, mine[self.rank[mine] == r])
+                self._shed(r, by_rank[bounds[r]:bounds[r + 1]])
                 stuck[r] = self.C[r] >= load_before
                 progress |= not stuck[r]
             if not progress:
@@ -362,12 +359,15 @@ class Balancer:
                 for r in ranks[np.argsort(-self.C[ranks], kind="stable")].tolist():
                     if self.C[r] <= self.cap:
                         break
-                    mine = by_rank[bounds[r]:bounds[r + 1]]
-                    mine = mine[self.rank[mine] == r]
-                    self._shed_rows(r, mine)
-                    self._shed_rectangles(r, mine[self.rank[mine] == r])
+                    self._shed(r, by_rank[bounds[r]:bounds[r + 1]])
         finally:
             self.mean, self.cap, self._only_node = mean, cap, None
+
+    def _shed(self, r: int, initial: np.ndarray) -> None:
+        """One donor's turn: rows, then rectangles, of its ``initial`` tiles it still holds."""
+        mine = initial[self.rank[initial] == r]
+        self._shed_rows(r, mine)
+        self._shed_rectangles(r, mine[self.rank[mine] == r])
 
     def _shed_rows(self, r: int, mine: np.ndarray) -> None:
         """Rows of r's tiles to kv-homes under the mean (only Q + OUT move), largest rows first."""
