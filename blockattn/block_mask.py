@@ -309,6 +309,20 @@ def _classify_intervals(p: _RowPieces, T: int, B: int, nB: int):
     return u_qb[keep], u_kb[keep], (run_end - u_kb)[keep], state[keep]
 
 
+def count_tiles(spec, block_size: int) -> int:
+    """Non-empty tiles of ``spec`` at ``block_size``, without listing them: for an interval mask the
+    runs of ``_classify_intervals`` summed, O(T + pieces), so a caller can weigh block sizes whose
+    tile lists would not fit in memory; a ``mask_mod`` mask is classified (its BlockMask)."""
+    B = int(block_size)
+    iv = spec.row_intervals()
+    if iv is None:
+        return spec.block_mask(B).num_tiles
+    T = spec.total_len
+    nB = -(-T // B)
+    _qb, _k0, r_len, _state = _classify_intervals(_row_pieces(iv.numpy(), T, B, nB), T, B, nB)
+    return int(r_len.sum())
+
+
 def _expand_runs(r_qb: np.ndarray, r_k0: np.ndarray, r_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Runs of consecutive kv-blocks -> (q-block, kv-block) int32 pairs; kv = run start + offset."""
     r_len = r_len.astype(np.int64)

@@ -460,6 +460,15 @@ class MaskSpec:
             self._block_masks[B] = bm
         return bm
 
+    def num_tiles(self, block_size: int) -> int:
+        """Non-empty (q-block, kv-block) tiles at ``block_size``; counted without listing them where the
+        block mask is not built yet (an interval mask), so block sizes can be weighed cheaply."""
+        from blockattn.block_mask import count_tiles
+
+        B = _check_int("block_size", block_size, 1)
+        bm = self._block_masks.get(B)
+        return bm.num_tiles if bm is not None else count_tiles(self, B)
+
     def __repr__(self) -> str:
         return f"MaskSpec({self._desc})"
 

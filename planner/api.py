@@ -23,6 +23,20 @@ from .tiles import TileSet, forget_tile_sets
 
 DEFAULT_BLOCK_SIZE = 128
 MIN_AUTO_BLOCK_SIZE = 16
+# The default block size grows (x2, up to MAX_AUTO_BLOCK_SIZE, keeping >= MIN_AUTO_BLOCKS_PER_RANK
+# blocks per rank) while the mask has more than MAX_AUTO_TILES non-empty tiles at it: planning time and
+# memory follow the tile count. One 1M-token causal document on 64 ranks (make_plan, check included):
+# 33.6M tiles at 128 were killed for memory (24 GB) after 4 minutes; at 512 (2.1M tiles) 20 s, 2 GB,
+# 1.000x the bound. On 256 ranks: 8.4M tiles at 256 take 319 s and 6.2 GB, 2.1M at 512 88 s and 2 GB,
+# both 1.104x the bound. A 720K-token one on 64 ranks at 128 (15.9M tiles): 129 s, 15.3 GB. Memory
+# stays balanced (8 whole blocks per rank at the least); the kernels run any power-of-two block (in
+# BLOCK_M x BLOCK_N sub-tiles), and a partial (diagonal) tile's masked part stays a sliver of the work.
+MAX_AUTO_TILES = 1 << 22
+MAX_AUTO_BLOCK_SIZE = 1024
+MIN_AUTO_BLOCKS_PER_RANK = 8
+# More tiles than this are refused, naming the block size to use (the default grows past its limits
+# above to stay under it).
+MAX_PLAN_TILES = 1 << 23
 MAX_WORLD_SIZE = 4096  # per-rank x per-block tables stay small (P * nB booleans)
 _CACHE_SIZE = 32
 _cache: "OrderedDict[tuple, Plan]" = OrderedDict()
@@ -43,13 +57,39 @@ def _strategies() -> dict:
 STRATEGIES = ("dcp", "fcp", "ring", "zigzag", "allgather", "hypergraph")
 
 
-def default_block_size(total_len: int, world_size: int) -> int:
+def default_block_size(total_len: int, world_size: int, mask_spec=None) -> int:
     """128 (the kernels' tile), halved (down to 16) while there are fewer than 4 blocks per zigzag
-    chunk, so small batches still split evenly over 2P chunks."""
+    chunk, so small batches still split evenly over 2P chunks; with ``mask_spec``, doubled while the
+    mask has more than MAX_AUTO_TILES tiles at it (see there), up to MAX_AUTO_BLOCK_SIZE and keeping
+    MIN_AUTO_BLOCKS_PER_RANK blocks per rank, and past those while it has more than MAX_PLAN_TILES
+    (which make_plan refuses)."""
     B = DEFAULT_BLOCK_SIZE
     while B > MIN_AUTO_BLOCK_SIZE and -(-total_len // B) < 8 * world_size:
         B //= 2
+    if mask_spec is not None:
+        while B < total_len:
+            tiles = mask_spec.num_tiles(B)
+            roomy = B < MAX_AUTO_BLOCK_SIZE and -(-total_len // (2 * B)) >= MIN_AUTO_BLOCKS_PER_RANK * world_size
+            if not (tiles > MAX_PLAN_TILES or (tiles > MAX_AUTO_TILES and roomy)):
+                break
+            B *= 2
     return B
+
+
+def check_tile_count(mask_spec, block_size: int, world_size: int) -> None:
+    """ValueError, naming the block size to use, where ``mask_spec`` has more than MAX_PLAN_TILES
+    tiles at ``block_size``: such a plan would take minutes and tens of GB to make (and to hold)."""
+    tiles = mask_spec.num_tiles(block_size)
+    if tiles > MAX_PLAN_TILES:
+        B = block_size
+        while mask_spec.num_tiles(B) > MAX_AUTO_TILES and B < mask_spec.total_len:
+            B *= 2
+        raise ValueError(
+            f"{mask_spec!r} has {tiles:,} non-empty tiles at block_size={block_size} (at most {MAX_PLAN_TILES:,} "
+            f"are planned: planning time and memory grow with the tiles); use block_size={B} "
+            f"({mask_spec.num_tiles(B):,} tiles), or leave block_size=None for the default "
+            f"({default_block_size(mask_spec.total_len, world_size, mask_spec)} here) - the kernels run any "
+            "power-of-two block size")
 
 
 def _check_positive_int(name: str, value, minimum: int = 1) -> int:
@@ -99,7 +139,7 @@ def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, hea
 
 def check_mask_spec(mask_spec) -> None:
     """TypeError unless ``mask_spec`` offers what planning reads (a blockattn MaskSpec does)."""
-    for attr in ("total_len", "signature", "block_mask"):
+    for attr in ("total_len", "signature", "block_mask", "num_tiles"):
         if not hasattr(mask_spec, attr):
             raise TypeError(f"mask_spec must be a blockattn MaskSpec (missing .{attr}), got {type(mask_spec).__name__}")
 
@@ -114,6 +154,10 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     ``strategy``: "dcp" (default), "fcp", or a baseline "ring", "zigzag", "allgather", or "hypergraph"
     (placement by hypergraph partitioning, as in DCP, with Mt-KaHyPar: planner/hypergraph.py,
     ``pip install 'blockattn[hypergraph]'``).
+    ``block_size``: tokens per block (a power of two >= 16 for the Triton kernels); None picks
+    ``default_block_size``: 128, smaller for small batches, larger where the mask has millions of tiles
+    at 128 (one long causal document). A mask with more than MAX_PLAN_TILES tiles at the block size is
+    refused (ValueError naming the block size to use).
     ``topology``: ranks per node and link speeds (default: 8 H200 per node, NVLink + 400 Gb/s).
     ``max_stages``: upper bound on communication stages for dcp/fcp (stage 0 excluded).
     ``grad_comm_dtype``: dtype of the dQ / dK / dV partials sent back to the blocks' homes, which sum
@@ -131,7 +175,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     check_mask_spec(mask_spec)
     total_len = int(mask_spec.total_len)
     if block_size is None:
-        block_size = default_block_size(total_len, world_size)
+        block_size = default_block_size(total_len, world_size, mask_spec)
     block_size = _check_positive_int("block_size", block_size)
 
     key = (mask_spec.signature(), world_size, num_q_heads, num_kv_heads, head_dim, str(dtype), block_size,
@@ -141,6 +185,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
         _cache.move_to_end(key)
         return cached
 
+    check_tile_count(mask_spec, block_size, world_size)
     tiles = TileSet.from_block_mask(mask_spec.block_mask(block_size))
     cost_model = CostModel(topology=topology)
     placement = _strategies()[strategy](

@@ -155,10 +155,13 @@ def test_structured_constructors_agree_with_mask_mods(pair):
 @given(structured_masks(), st.integers(1, 20))
 def test_block_classification_equals_dense_classification(pair, B):
     spec, mod = pair
+    counted = spec.num_tiles(B)
     assert_block_mask_matches_dense(spec, B)
     # The mask_mod path (chunked evaluation + per-tile bitmasks) must agree tile for tile.
-    via_mod = assert_block_mask_matches_dense(MaskSpec.from_mask_mod(mod, spec.total_len), B)
+    as_mod = MaskSpec.from_mask_mod(mod, spec.total_len)
+    via_mod = assert_block_mask_matches_dense(as_mod, B)
     assert torch.equal(via_mod.tile_state(), spec.block_mask(B).tile_state())
+    assert counted == as_mod.num_tiles(B) == via_mod.num_tiles
 
 
 @st.composite
@@ -212,7 +215,9 @@ def assert_canonical(iv, T):
 @given(interval_tables(), st.integers(1, 12))
 def test_interval_classification_and_counts_equal_dense(spec, B):
     assert_canonical(spec.row_intervals(), spec.total_len)
+    counted = spec.num_tiles(B)  # (counted without listing: the block mask is not built yet)
     assert_tiles_match_dense(spec, B)
+    assert counted == spec.block_mask(B).num_tiles
 
 
 @settings(max_examples=200)

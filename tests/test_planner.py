@@ -170,6 +170,41 @@ def test_bad_arguments(kwargs, exc, words):
         make_plan(args.pop("mask_spec"), args.pop("world_size"), **args)
 
 
+def test_the_default_block_size_grows_where_the_mask_has_millions_of_tiles():
+    from blockattn.planner import api, default_block_size
+
+    T = 1 << 20
+    causal = MaskSpec.causal(T)
+    assert default_block_size(T, 64) == 128  # the kernels' tile, without the mask
+    # one 1M-token document on 64 ranks: 33.6M tiles at 128, 2.1M at 512
+    B = default_block_size(T, 64, causal)
+    assert B == 512 and causal.num_tiles(B) <= api.MAX_AUTO_TILES < causal.num_tiles(B // 2)
+    # 256 ranks: 8 blocks of 512 each
+    assert default_block_size(T, 256, causal) == 512
+    # 1024 ranks: past the 8 blocks per rank while the tiles exceed what make_plan plans
+    assert default_block_size(T, 1024, causal) == 512
+    assert causal.num_tiles(256) > api.MAX_PLAN_TILES >= causal.num_tiles(512)
+    # short documents: few tiles at 128
+    docs = MaskSpec.documents([1000] * 1000 + [T - 1_000_000])
+    assert docs.num_tiles(128) < api.MAX_AUTO_TILES and default_block_size(T, 64, docs) == 128
+
+
+def test_make_plan_takes_the_mask_aware_default_block_size(monkeypatch):
+    from blockattn.planner import api
+
+    monkeypatch.setattr(api, "MAX_AUTO_TILES", 2000)
+    spec = MaskSpec.causal(8192)  # 2080 tiles at 128, 528 at 256 (32 blocks on one rank)
+    plan = make_plan(spec, 1, **HEADS)
+    assert plan.block_size == 256 and plan.tile_q.numel() == spec.num_tiles(256) == 528
+    check_plan(plan)
+
+
+def test_a_mask_with_too_many_tiles_is_refused_with_the_block_size_to_use():
+    spec = MaskSpec.causal(1 << 20)
+    with pytest.raises(ValueError, match=r"33,558,528 non-empty tiles at block_size=128 .* use block_size=512 "):
+        make_plan(spec, 64, block_size=128, **HEADS)
+
+
 def test_bad_shard_and_unshard_arguments():
     plan = make_plan(MaskSpec.causal(100), 3, **HEADS)
     with pytest.raises(ValueError, match="rank"):
