@@ -27,6 +27,23 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Rows of q evaluated per chunk when a mask has no interval form (bounds peak memory at
 # roughly _EVAL_CHUNK_ELEMS booleans).
 _EVAL_CHUNK_ELEMS = 1 << 24
+# A mask without two key intervals per row (``from_mask_mod``, a composition that does not fit) is
+# evaluated at every (q, k) pair on the CPU, to sign it and to classify its tiles: O(T^2), ~1e8 pairs/s
+# (32K tokens: 6 s to sign, 11 s to classify at block 128; 128K about 4.5 minutes). Longer ones are
+# refused at construction, naming the O(T) alternative, instead of computing for hours.
+MAX_EVALUATED_LEN = 1 << 17
+_STRUCTURED = ("the structured constructors (causal, documents, sliding_window, lambda_mask, shared_question, "
+               "causal_blockwise) combined with & and |, classified in O(T) while every row keeps at most two "
+               "key intervals")
+
+
+def _check_evaluable(T: int, what: str) -> None:
+    """ValueError where a mask of T tokens evaluated pair by pair (``what``) would take hours."""
+    if T > MAX_EVALUATED_LEN:
+        raise ValueError(
+            f"{what} is evaluated at every (q, k) pair: {T * T:.2e} pairs for total_len={T}, about "
+            f"{T * T / 1e8 / 60:.0f} minutes on a CPU; at most total_len={MAX_EVALUATED_LEN} is evaluated. "
+            f"Express it with {_STRUCTURED}")
 
 
 def _as_int(value):
@@ -315,6 +332,7 @@ class MaskSpec:
             )
         except (TypeError, ValueError):
             n_params = 2
+        _check_evaluable(T, "a from_mask_mod mask")
         if n_params == 4:
             flex_mod = mask_mod
             zero = torch.zeros((), dtype=torch.int64)
@@ -370,6 +388,7 @@ class MaskSpec:
             spec = MaskSpec(T, desc, interval_fn=fn)
             if spec.row_intervals() is not None:
                 return spec
+        _check_evaluable(T, f"{desc} needs more than two key intervals in some row, so it")
         a, b = self, other
         if op == "&":
             mod = lambda q, k: a.mask_mod(q, k) & b.mask_mod(q, k)  # noqa: E731

@@ -292,6 +292,21 @@ def test_composition_that_needs_three_intervals_falls_back_to_bitmasks():
     assert bm.part_bits is not None
 
 
+def test_masks_evaluated_pair_by_pair_are_refused_past_the_length_that_would_take_hours():
+    from blockattn.masks import MAX_EVALUATED_LEN
+
+    T = MAX_EVALUATED_LEN + 1
+    with pytest.raises(ValueError, match=r"from_mask_mod mask is evaluated at every \(q, k\) pair.*structured"):
+        MaskSpec.from_mask_mod(lambda q, k: k <= q, T)
+    # the composition above, at that length: three intervals in late rows
+    a = MaskSpec.lambda_mask(T, 10, 3) & MaskSpec.documents([5, T - 5], causal=False)
+    with pytest.raises(ValueError, match=r"needs more than two key intervals in some row.*minutes"):
+        a | MaskSpec.lambda_mask(T, 2, 1)
+    # compositions that keep two intervals per row stay O(T) at any length
+    big = (MaskSpec.documents([T // 2, T - T // 2]) & MaskSpec.lambda_mask(T, 64, 4096)) | MaskSpec.causal(T)
+    assert big.row_intervals() is not None and big.num_tiles(1024) > 0
+
+
 def test_flex_attention_style_mask_mod():
     spec = MaskSpec.from_mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, 21)
     assert torch.equal(spec.to_dense(), MaskSpec.causal(21).to_dense())
