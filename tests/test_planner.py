@@ -189,6 +189,31 @@ def test_the_default_block_size_grows_where_the_mask_has_millions_of_tiles():
     assert docs.num_tiles(128) < api.MAX_AUTO_TILES and default_block_size(T, 64, docs) == 128
 
 
+@SETTINGS
+@given(masks(), st.integers(1, 9), st.integers(0, 400), st.integers(0, 800))
+def test_the_default_block_size_is_the_smallest_within_the_tile_limits(spec, world_size, soft, hard):
+    """Under any limits (scaled down to these masks' sizes): a power of two whose tile count make_plan
+    accepts, grown only past a size whose tiles exceed the limits."""
+    from unittest import mock
+
+    from blockattn.planner import api, default_block_size
+
+    hard = max(hard, soft)
+    T = spec.total_len
+    with mock.patch.multiple(api, MAX_AUTO_TILES=soft, MAX_PLAN_TILES=hard, MAX_AUTO_BLOCK_SIZE=64,
+                             MIN_AUTO_BLOCKS_PER_RANK=1):
+        B = default_block_size(T, world_size, spec)
+        base = default_block_size(T, world_size)
+        assert B >= base and B & (B - 1) == 0
+        assert spec.num_tiles(B) <= hard or B >= T  # (one block: a single tile)
+        if B > base:
+            half = B // 2
+            roomy = half < 64 and -(-T // B) >= api.MIN_AUTO_BLOCKS_PER_RANK * world_size
+            assert spec.num_tiles(half) > hard or (roomy and spec.num_tiles(half) > soft)
+        if spec.num_tiles(B) <= hard:
+            api.check_tile_count(spec, B, world_size)  # accepted
+
+
 def test_make_plan_takes_the_mask_aware_default_block_size(monkeypatch):
     from blockattn.planner import api
 
