@@ -1,12 +1,13 @@
 """make_plan: validate arguments, classify the mask, run a strategy, build and check the Plan.
 
 Notation (docs/design.md): T tokens, B block size, nB blocks, P ranks (world size).
-Plans are cached (LRU) by the mask signature and every argument, so repeated batches with the same
-mask cost one dictionary lookup.
+Plans are cached (LRU, by count and by bytes) by the mask signature and every argument, so repeated
+batches with the same mask cost one dictionary lookup.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 import numpy as np
@@ -39,7 +40,12 @@ MIN_AUTO_BLOCKS_PER_RANK = 8
 MAX_PLAN_TILES = 1 << 23
 MAX_WORLD_SIZE = 4096  # per-rank x per-block tables stay small (P * nB booleans)
 _CACHE_SIZE = 32
+# ... and at most this many bytes of index tensors (the newest plan is always kept): a plan holds ~30 bytes
+# per tile, 8 MB for a 1M-token Wikipedia batch on 64 ranks but 63 MB for one 512K-token causal document
+# (2.1M tiles), and in a PlanAhead worker, where every batch is new, 32 of those would hold 2 GB for nothing.
+_CACHE_BYTES = 1 << 30
 _cache: "OrderedDict[tuple, Plan]" = OrderedDict()
+_cache_bytes: dict = {}  # key -> the plan's bytes
 
 
 def _strategies() -> dict:
@@ -198,15 +204,30 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     if check:
         check_plan(plan)
     _cache[key] = plan
-    while len(_cache) > _CACHE_SIZE:
-        _cache.popitem(last=False)
+    _cache_bytes[key] = _nbytes(plan)
+    while len(_cache) > _CACHE_SIZE or (len(_cache) > 1 and sum(_cache_bytes.values()) > _CACHE_BYTES):
+        del _cache_bytes[_cache.popitem(last=False)[0]]
     return plan
+
+
+def _nbytes(obj) -> int:
+    """Bytes of the tensors and arrays in ``obj`` (a Plan: its fields, its schedule's tables)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.element_size() * obj.numel()
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(item) for item in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(_nbytes(getattr(obj, field.name)) for field in dataclasses.fields(obj))
+    return 0
 
 
 def clear_plan_cache() -> None:
     """Forget every cached plan, and the TileSets converted from block masks with their memos
     (merged copies, crossing counts, segments): the next plan of a mask starts from scratch."""
     _cache.clear()
+    _cache_bytes.clear()
     forget_tile_sets()
 
 

@@ -148,6 +148,23 @@ def test_cache_returns_same_plan_and_keys_on_every_argument():
     assert make_plan(spec, 3, strategy="ring", **HEADS).strategy == "ring"
 
 
+def test_the_plan_cache_keeps_to_its_byte_budget_and_always_the_newest_plan(monkeypatch):
+    from blockattn.planner import api, clear_plan_cache
+
+    clear_plan_cache()
+    specs = [MaskSpec.causal(600 + i) for i in range(3)]
+    first = make_plan(specs[0], 2, **HEADS)
+    size = api._nbytes(first)
+    assert size > first.tile_q.numel() * 4  # (counts the index tensors and the schedule's tables)
+    monkeypatch.setattr(api, "_CACHE_BYTES", int(2.5 * size))
+    second, third = (make_plan(spec, 2, **HEADS) for spec in specs[1:])
+    assert make_plan(specs[2], 2, **HEADS) is third and make_plan(specs[1], 2, **HEADS) is second
+    assert make_plan(specs[0], 2, **HEADS) is not first  # the oldest went over the budget
+    monkeypatch.setattr(api, "_CACHE_BYTES", 1)
+    newest = make_plan(MaskSpec.causal(700), 2, **HEADS)
+    assert make_plan(MaskSpec.causal(700), 2, **HEADS) is newest and len(api._cache) == 1
+
+
 @pytest.mark.parametrize(
     "kwargs, exc, words",
     [
