@@ -27,8 +27,8 @@ MIN_AUTO_BLOCK_SIZE = 16
 # The default block size grows (x2, up to MAX_AUTO_BLOCK_SIZE, keeping >= MIN_AUTO_BLOCKS_PER_RANK
 # blocks per rank) while the mask has more than MAX_AUTO_TILES non-empty tiles at it: planning time and
 # memory follow the tile count. One 1M-token causal document on 64 ranks (make_plan, check included):
-# 33.6M tiles at 128 were killed for memory (24 GB) after 4 minutes; at 512 (2.1M tiles) 20 s, 2 GB,
-# 1.000x the bound. On 256 ranks: 8.4M tiles at 256 take 319 s and 6.2 GB, 2.1M at 512 88 s and 2 GB,
+# 33.6M tiles at 128 were killed for memory (24 GB) after 4 minutes; at 512 (2.1M tiles) 17 s, 2.2 GB,
+# 1.002x the bound. On 256 ranks: 8.4M tiles at 256 took 319 s and 6.2 GB, 2.1M at 512 81 s and 2 GB,
 # both 1.104x the bound. A 720K-token one on 64 ranks at 128 (15.9M tiles): 129 s, 15.3 GB. Memory
 # stays balanced (8 whole blocks per rank at the least); the kernels run any power-of-two block (in
 # BLOCK_M x BLOCK_N sub-tiles), and a partial (diagonal) tile's masked part stays a sliver of the work.
