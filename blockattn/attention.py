@@ -22,9 +22,20 @@ _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 _TILE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def default_block_size(device: torch.device) -> int:
-    """128 on CUDA (the kernels' tile); 32 elsewhere, where the interpreter pays per tile row."""
-    return 128 if torch.device(device).type == "cuda" else 32
+# As make_plan's default (planner/api.py): one causal document of 1M tokens has 33.6M tiles at 128, whose
+# lists take ~5 s of CPU per new mask to build (0.2 s at 512, 2.1M tiles); the kernels run any
+# power-of-two block in BLOCK_M x BLOCK_N sub-tiles, so a larger block costs the GPU nothing there.
+MAX_AUTO_TILES = 1 << 22
+
+
+def default_block_size(device: torch.device, mask_spec=None) -> int:
+    """128 on CUDA (the kernels' tile); 32 elsewhere, where the interpreter pays per tile row; with
+    ``mask_spec``, doubled while the mask has more than MAX_AUTO_TILES tiles at it."""
+    B = 128 if torch.device(device).type == "cuda" else 32
+    if mask_spec is not None:
+        while B < mask_spec.total_len and mask_spec.num_tiles(B) > MAX_AUTO_TILES:
+            B *= 2
+    return B
 
 
 def _device_tiles(bm, device: torch.device):
@@ -97,7 +108,7 @@ def block_attention(q, k, v, mask_spec, plan=None, *, softmax_scale=None, return
     a MaskSpec with ``total_len == T``. ``plan``: None or a world-size-1 plan runs on this device;
     a plan with ``world_size > 1`` runs distributed (q, k, v then hold this rank's tokens).
     ``backend``: "triton" (default) or "torch". ``block_size``: tile size of the BlockMask the kernels
-    walk (default: the plan's, else 128 on CUDA and 32 on CPU). Returns ``out`` (and ``lse [Hq, T]``
+    walk (default: the plan's, else 128 on CUDA and 32 on CPU, larger for masks with millions of tiles). Returns ``out`` (and ``lse [Hq, T]``
     fp32 when ``return_lse``); fully masked rows give out 0 and lse -inf.
     """
     if plan is not None and int(plan.world_size) > 1:
@@ -107,7 +118,7 @@ def block_attention(q, k, v, mask_spec, plan=None, *, softmax_scale=None, return
                                            return_lse=return_lse, backend=backend, group=group)
     _validate(q, k, v, mask_spec)
     if block_size is None:
-        block_size = int(plan.block_size) if plan is not None else default_block_size(q.device)
+        block_size = int(plan.block_size) if plan is not None else default_block_size(q.device, mask_spec)
     be = get_backend(backend)
     D = q.shape[2]
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)

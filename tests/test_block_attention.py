@@ -71,6 +71,18 @@ def test_bf16_uses_default_block_size():
     assert out.dtype == torch.bfloat16 and err <= 4 * (eager.double() - ref).abs().max().item() + 1e-2
 
 
+def test_the_default_block_size_grows_for_masks_with_millions_of_tiles():
+    from blockattn.attention import MAX_AUTO_TILES, default_block_size
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert default_block_size(cuda) == 128 and default_block_size(cpu) == 32
+    long_doc = MaskSpec.causal(1 << 20)  # 33.6M tiles at 128
+    assert default_block_size(cuda, long_doc) == default_block_size(cpu, long_doc) == 512
+    assert long_doc.num_tiles(512) <= MAX_AUTO_TILES < long_doc.num_tiles(256)
+    docs = MaskSpec.documents([2000] * 500)  # 1M tokens of short documents: few tiles
+    assert default_block_size(cuda, docs) == 128 and default_block_size(cpu, docs) == 32
+
+
 @pytest.mark.parametrize("bad, exc, match", [
     (lambda q, k, v: (q[:, :, :8], k, v), ValueError, "head_dim"),
     (lambda q, k, v: (q, k[:, :1].repeat(1, 3, 1), v[:, :1].repeat(1, 3, 1)), ValueError, "multiple"),
