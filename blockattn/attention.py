@@ -22,18 +22,17 @@ _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 _TILE_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-# As make_plan's default (planner/api.py): one causal document of 1M tokens has 33.6M tiles at 128, whose
-# lists take ~5 s of CPU per new mask to build (0.2 s at 512, 2.1M tiles); the kernels run any
-# power-of-two block in BLOCK_M x BLOCK_N sub-tiles, so a larger block costs the GPU nothing there.
-MAX_AUTO_TILES = 1 << 22
-
-
 def default_block_size(device: torch.device, mask_spec=None) -> int:
     """128 on CUDA (the kernels' tile); 32 elsewhere, where the interpreter pays per tile row; with
-    ``mask_spec``, doubled while the mask has more than MAX_AUTO_TILES tiles at it."""
+    ``mask_spec``, doubled while the mask has more tiles than make_plan's default allows (planner/api.py
+    ``MAX_AUTO_TILES``): one causal document of 1M tokens has 33.6M tiles at 128, whose lists take ~5 s
+    of CPU per new mask to build (0.2 s at 512, 2.1M tiles), and the kernels run any power-of-two block
+    in BLOCK_M x BLOCK_N sub-tiles, so a larger block costs the GPU nothing there."""
     B = 128 if torch.device(device).type == "cuda" else 32
     if mask_spec is not None:
-        while B < mask_spec.total_len and mask_spec.num_tiles(B) > MAX_AUTO_TILES:
+        from blockattn.planner import api
+
+        while B < mask_spec.total_len and mask_spec.num_tiles(B) > api.MAX_AUTO_TILES:
             B *= 2
     return B
 

@@ -72,7 +72,8 @@ def test_bf16_uses_default_block_size():
 
 
 def test_the_default_block_size_grows_for_masks_with_millions_of_tiles():
-    from blockattn.attention import MAX_AUTO_TILES, default_block_size
+    from blockattn.attention import default_block_size
+    from blockattn.planner.api import MAX_AUTO_TILES
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert default_block_size(cuda) == 128 and default_block_size(cpu) == 32
