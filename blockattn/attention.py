@@ -32,7 +32,7 @@ def default_block_size(device: torch.device, mask_spec=None) -> int:
     if mask_spec is not None:
         from blockattn.planner import api
 
-        while B < mask_spec.total_len and mask_spec.num_tiles(B) > api.MAX_AUTO_TILES:
+        while B < mask_spec.total_len and api.more_tiles_than(mask_spec, B, api.MAX_AUTO_TILES):
             B *= 2
     return B
 

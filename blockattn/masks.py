@@ -179,7 +179,7 @@ class MaskSpec:
     """
 
     __slots__ = ("total_len", "_desc", "_interval_fn", "_intervals", "_user_mod", "_signature", "_block_masks",
-                 "_recipe")
+                 "_tile_counts", "_recipe")
 
     def __init__(self, total_len: int, desc: str, *, interval_fn=None, user_mod: Optional[MaskMod] = None):
         # Private: use the named constructors.
@@ -190,6 +190,7 @@ class MaskSpec:
         self._user_mod = user_mod
         self._signature = None
         self._block_masks = {}
+        self._tile_counts = {}  # block size -> non-empty tiles, counted without a block mask
         self._recipe = None  # how to rebuild it in another process (set by the public constructors)
 
     # ------------------------------------------------------------------ constructors
@@ -486,7 +487,11 @@ class MaskSpec:
 
         B = _check_int("block_size", block_size, 1)
         bm = self._block_masks.get(B)
-        return bm.num_tiles if bm is not None else count_tiles(self, B)
+        if bm is not None:
+            return bm.num_tiles
+        if B not in self._tile_counts:
+            self._tile_counts[B] = count_tiles(self, B)
+        return self._tile_counts[B]
 
     def __repr__(self) -> str:
         return f"MaskSpec({self._desc})"

@@ -74,28 +74,32 @@ def default_block_size(total_len: int, world_size: int, mask_spec=None) -> int:
         B //= 2
     if mask_spec is not None:
         while B < total_len:
-            tiles = mask_spec.num_tiles(B)
             roomy = B < MAX_AUTO_BLOCK_SIZE and -(-total_len // (2 * B)) >= MIN_AUTO_BLOCKS_PER_RANK * world_size
-            if not (tiles > MAX_PLAN_TILES or (tiles > MAX_AUTO_TILES and roomy)):
+            if not (more_tiles_than(mask_spec, B, MAX_PLAN_TILES)
+                    or (roomy and more_tiles_than(mask_spec, B, MAX_AUTO_TILES))):
                 break
             B *= 2
     return B
 
 
+def more_tiles_than(mask_spec, block_size: int, limit: int) -> bool:
+    """Whether ``mask_spec`` has more than ``limit`` non-empty tiles at ``block_size``, counted only
+    where its nB^2 block pairs could exceed it: a 128K-token batch at 128 (1024 blocks) never counts,
+    which would cost ~1 ms of make_plan's few."""
+    nB = -(-mask_spec.total_len // block_size)
+    return nB * nB > limit and mask_spec.num_tiles(block_size) > limit
+
+
 def check_tile_count(mask_spec, block_size: int, world_size: int) -> None:
-    """ValueError, naming the block size to use, where ``mask_spec`` has more than MAX_PLAN_TILES
-    tiles at ``block_size``: such a plan would take minutes and tens of GB to make (and to hold)."""
-    tiles = mask_spec.num_tiles(block_size)
-    if tiles > MAX_PLAN_TILES:
-        B = block_size
-        while mask_spec.num_tiles(B) > MAX_AUTO_TILES and B < mask_spec.total_len:
-            B *= 2
+    """ValueError, naming the block size to use (the default), where ``mask_spec`` has more than
+    MAX_PLAN_TILES tiles at ``block_size``: such a plan would take minutes and tens of GB to make."""
+    if more_tiles_than(mask_spec, block_size, MAX_PLAN_TILES):
+        B = default_block_size(mask_spec.total_len, world_size, mask_spec)
         raise ValueError(
-            f"{mask_spec!r} has {tiles:,} non-empty tiles at block_size={block_size} (at most {MAX_PLAN_TILES:,} "
-            f"are planned: planning time and memory grow with the tiles); use block_size={B} "
-            f"({mask_spec.num_tiles(B):,} tiles), or leave block_size=None for the default "
-            f"({default_block_size(mask_spec.total_len, world_size, mask_spec)} here) - the kernels run any "
-            "power-of-two block size")
+            f"{mask_spec!r} has {mask_spec.num_tiles(block_size):,} non-empty tiles at block_size={block_size} "
+            f"(at most {MAX_PLAN_TILES:,} are planned: planning time and memory grow with the tiles); use "
+            f"block_size={B} ({mask_spec.num_tiles(B):,} tiles), the default for this mask on {world_size} ranks "
+            "(block_size=None) - the kernels run any power-of-two block size")
 
 
 def _check_positive_int(name: str, value, minimum: int = 1) -> int:
