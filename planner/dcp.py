@@ -297,7 +297,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         result = min(polished, key=lambda p: p.sim_time)  # (the kept plan on a tie)
         if POLISH_BYTES_REJECTED and turned_down is not None:
             alt = _polished(tiles, turned_down, world_size, cost_model, sizes, memo)
-            if alt.sim_time < result.sim_time and _worth_its_bytes(tiles, alt, result, sizes):
+            if alt.sim_time < result.sim_time and _worth_its_bytes(tiles, alt, result, sizes, cost_model.topology):
                 result = alt
         steps.append(("polish", result.sim_time))
     if replan:
@@ -387,9 +387,10 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         firsts = [_with_transit(tiles, alt, world_size, cost_model, sizes)
                   for alt in _dcp(tiles, world_size, cost_model, max_stages, sizes, None, every_finalist=True)]
         # as on one node: of those within GOOD_ENOUGH of the bound and BYTES_SLACK of the fastest, the
-        # fewest bytes (causal_blockwise, 16 ranks / 8 per node: hot rows pushed per kv-rank at 1.0419x
-        # the bound with 4.96 GB, per kv-node 1.0367x with 11.8 GB, mostly KV over NVLink)
-        result = _fewest_bytes(tiles, firsts, first_pass.GOOD_ENOUGH * bound, sizes)
+        # fewest bytes, a byte between nodes weighed at the NIC's cost (``_schedule_bytes``: causal_blockwise,
+        # 16 ranks / 8 per node, hot rows pushed per kv-node at 1.0367x the bound with 11.8 GB, mostly KV
+        # over NVLink, rather than per kv-rank at 1.0419x with 4.96 GB, of which 1.86 GB between nodes)
+        result = _fewest_bytes(tiles, firsts, first_pass.GOOD_ENOUGH * bound, sizes, cost_model.topology)
         steps.append(("candidates", result.sim_time))
     else:
         result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)

@@ -18,7 +18,7 @@ import numpy as np
 
 from .candidates import (_balanced, _initial_home, _lower_bound, _place, _relay_balanced, _restaged,
                          _schedule_bytes, _staged, _time_floor, coarsening_factor, merged_home, moved_bytes)
-from .cost_model import CostModel
+from .cost_model import CostModel, Topology
 from .placement import Placement, compact_stages, prefix_sums
 from .relay import add_relays
 from .schedule import derive_schedule_merged
@@ -255,14 +255,16 @@ def _mostly_split_segments(tiles: TileSet, world_size: int) -> bool:
     return float((prefix[bounds[1:]] - prefix[bounds[:-1]])[long].sum()) > 0.5 * prefix[-1]
 
 
-def _fewest_bytes(tiles: TileSet, planned: list, good_enough: float, sizes: dict) -> Placement:
+def _fewest_bytes(tiles: TileSet, planned: list, good_enough: float, sizes: dict,
+                  topology: Topology | None = None) -> Placement:
     """The fastest of the candidates ``planned`` (scored Placements), or among those within BYTES_SLACK
-    of it and within ``good_enough`` (seconds) the one that moves the fewest bytes."""
+    of it and within ``good_enough`` (seconds) the one that moves the fewest bytes (``topology``: bytes
+    between nodes weighed at the NIC's cost, ``_schedule_bytes``)."""
     fastest = min(planned, key=lambda p: p.sim_time)  # first of equals in candidate order
     near = [p for p in planned if p.sim_time <= min(good_enough, BYTES_SLACK * fastest.sim_time)]
     if len(near) < 2:
         return fastest
-    return min(near, key=lambda p: _schedule_bytes(tiles, p, sizes))
+    return min(near, key=lambda p: _schedule_bytes(tiles, p, sizes, topology))
 
 
 def _fewest_bytes_staging_few(tiles: TileSet, world_size: int, inits: list, cost_model: CostModel, max_stages: int,

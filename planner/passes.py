@@ -19,7 +19,7 @@ import numpy as np
 from . import first_pass
 from .candidates import (_initial_home, _place, _schedule_bytes, _with_transit, coarsening_factor, merged_home,
                          with_deferred_backward)
-from .cost_model import CostModel
+from .cost_model import CostModel, Topology
 from .first_pass import SECOND_OPINION_INITS, _dcp
 from .placement import Placement
 from .schedule import KIND_KV
@@ -167,7 +167,7 @@ def _deal_pass(tiles: TileSet, result: Placement, world_size: int, cost_model: C
             alt, _ = _place(tiles, world_size, None, cost_model, max_stages, sizes, home=home, relays=False)
             alt = with_deferred_backward(tiles, alt, world_size, cost_model, sizes, beat=result.sim_time)
         if alt.sim_time < result.sim_time:
-            if _worth_its_bytes(tiles, alt, result, sizes):
+            if _worth_its_bytes(tiles, alt, result, sizes, cost_model.topology):
                 result = alt
             elif turned_down is None or alt.sim_time < turned_down.sim_time:
                 turned_down = alt
@@ -187,12 +187,14 @@ def _level_pass(tiles: TileSet, result: Placement, world_size: int, cost_model: 
                            sizes, [result.block_home], opinion_inits=(), deferred=True)
 
 
-def _worth_its_bytes(tiles: TileSet, alt: Placement, result: Placement, sizes: dict) -> bool:
+def _worth_its_bytes(tiles: TileSet, alt: Placement, result: Placement, sizes: dict,
+                     topology: Topology | None = None) -> bool:
     """Whether ``alt``, faster than ``result``, is worth the bytes it moves: as many or fewer, or a time
     gain over (BYTES_SLACK - 1) x its bytes over ``result``'s (2% for as many, 4% for twice as many). A
     dealt piece's KV is read on every rank of its node: a batch that is one long segment (causal_blockwise
-    on one node of 32) dealt whole gained 2% for 4.8x the bytes."""
-    ratio = _schedule_bytes(tiles, alt, sizes) / max(_schedule_bytes(tiles, result, sizes), 1.0)
+    on one node of 32) dealt whole gained 2% for 4.8x the bytes. ``topology`` (several nodes): bytes between
+    nodes weighed at the NIC's cost (``_schedule_bytes``)."""
+    ratio = _schedule_bytes(tiles, alt, sizes, topology) / max(_schedule_bytes(tiles, result, sizes, topology), 1.0)
     return ratio <= 1.0 or 1.0 - alt.sim_time / result.sim_time > (first_pass.BYTES_SLACK - 1.0) * ratio
 
 

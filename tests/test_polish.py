@@ -230,8 +230,8 @@ def test_a_plan_turned_down_for_its_bytes_is_polished_too_and_kept_where_it_then
     worth = []
     original = dcp_module._worth_its_bytes
 
-    def recording(tiles, alt, result, sizes):
-        out = original(tiles, alt, result, sizes)
+    def recording(tiles, alt, result, sizes, topology=None):
+        out = original(tiles, alt, result, sizes, topology)
         worth.append(out)
         return out
 
