@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench-planner bench-hypergraph kernel-report clean
+.PHONY: install test demo bench-planner bench-planner-phases bench-hypergraph kernel-report clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ demo: $(STAMP)
 
 bench-planner: $(STAMP)
 	$(BIN)/python bench/bench_planner.py
+
+bench-planner-phases: $(STAMP)
+	$(BIN)/python bench/bench_planner_phases.py
 
 bench-hypergraph: $(STAMP)
 	$(BIN)/python bench/bench_hypergraph.py
