@@ -17,9 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_planner_phases", ROOT / "bench" / "bench_planner_phases.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, str(ROOT / "bench"))  # (it imports bench_planner's batches and settings, as when run)
+    try:
+        spec = importlib.util.spec_from_file_location("bench_planner_phases", ROOT / "bench" / "bench_planner_phases.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
     return mod
 
 
