@@ -1,22 +1,11 @@
 """The planner benchmark's per-configuration summary (the README's tables) computes what it says."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_scripts import load_bench
 
 
 def _bench_planner():
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_planner", ROOT / "bench" / "bench_planner.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return mod
+    return load_bench("bench_planner")
 
 
 def _case(P, rpn, dcp_fwd, dcp_bwd, bound_fwd, bound_bwd, zigzag, ring, dcp_bytes, zz_bytes, ring_bytes,

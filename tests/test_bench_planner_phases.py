@@ -1,30 +1,20 @@
 """bench/bench_planner_phases.py measures what it says: replayed steps serve every call from the record,
 the plans stay the same, and arguments are keyed by content."""
-import importlib.util
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from batches import long_tail_docs, short_docs
+from bench_scripts import load_bench
 from blockattn.masks import MaskSpec
 from blockattn.planner import clear_plan_cache
 from blockattn.planner.cost_model import CostModel
 from blockattn.planner.tiles import TileSet
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # (it imports bench_planner's batches and settings, as when run)
-    try:
-        spec = importlib.util.spec_from_file_location("bench_planner_phases", ROOT / "bench" / "bench_planner_phases.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return mod
+    return load_bench("bench_planner_phases")
 
 
 @pytest.fixture(scope="module")
