@@ -19,6 +19,9 @@ max(time(r), time(t)) is taken (never more than brings r to the mean or t to the
 Targets are tried same node first, then least loaded; transfers across nodes only win when the
 work they carry outweighs the slower link, so placement stays inside nodes where it can.
 
+The driver (donors, targets, candidate orders) is here; a move's arithmetic (the cost of every prefix,
+the choice of one, the bookkeeping it updates) is compiled, in planner/balance_moves.py.
+
 ``start`` (default: every tile on its q-block's home) gives another starting assignment, e.g.
 ``pushed_rows``: the bookkeeping counts its Q, OUT and KV transfers the same receive-once way.
 
@@ -61,7 +64,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .placement import argsort_small_ints, first_occurrence, run_heads
+from . import balance_moves as moves
+from .balance_moves import BalancerState, MoveRule
 from .schedule import KIND_KV, KIND_OUT, KIND_Q, payload_bytes
 from .tiles import TileSet
 
@@ -82,7 +86,7 @@ class Balancer:
                  overlap: float = 0.0, duplex: bool = False, level_nodes: bool = False):
         P, nB = world_size, tiles.num_blocks
         self.t, self.home, self.c, self.P, self.nB = tiles, home, compute, P, nB
-        self.node = topology.node_of(np.arange(P))
+        self.node = np.ascontiguousarray(topology.node_of(np.arange(P)), dtype=np.int64)
         self.bw = np.array([topology.intra_bw, topology.inter_bw])
         self.multi_node = bool(self.node.max() > 0)
         self.relay_aware = relay_aware and self.multi_node
@@ -90,7 +94,6 @@ class Balancer:
         self.overlap = float(overlap)
         self.duplex = bool(duplex)
         self.level_nodes = bool(level_nodes) and self.multi_node
-        self._only_node = None  # (``_level_nodes``: targets on this node only)
         lens = tiles.block_lengths()
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                      grad_element_size=grad_element_size)
@@ -101,7 +104,8 @@ class Balancer:
         # a rectangle's q-row moves Q and OUT, its kv-column KV: their ratio sets the rectangle's shape
         self._row_over_column = ((self.q_bytes.max() + self.out_bytes.max()) / self.kv_bytes.max()) if nB else 1.0
 
-        self.rank = home[tiles.q].copy() if start is None else start.copy()
+        home = np.ascontiguousarray(home, dtype=np.int64)
+        self.rank = np.array(home[tiles.q] if start is None else start, dtype=np.int64)  # (a copy)
         self.C, self.mean, self.cap = _load_and_cap(self.rank, compute, P)
         self.send = np.zeros((P, 2))
         self.recv = np.zeros((P, 2))
@@ -110,316 +114,52 @@ class Balancer:
         self.num_nodes = int(self.node.max()) + 1
         self.node_kv = np.zeros((self.num_nodes, nB), dtype=np.int64) - 1  # a rank of the node holding b, or -1
         self.node_size = np.bincount(self.node, minlength=self.num_nodes)
-        self.node_start = np.r_[0, np.cumsum(self.node_size)[:-1]]  # nodes are runs of consecutive ranks
+        self.node_start = np.cumsum(self.node_size) - self.node_size  # nodes are runs of consecutive ranks
         self.has_out = np.zeros((P, nB), dtype=bool)
-        self._scratch = np.zeros(nB, dtype=np.int64)
         blocks = np.arange(nB)
         self.have_q[home, blocks] = True
         self.have_kv[home, blocks] = True
         self.node_kv[self.node[home], blocks] = home
-        remote = home[tiles.kv] != self.rank  # (only homes hold blocks yet: every remote read is new)
-        self._add_kv(*self._distinct_pairs(self.rank[remote], tiles.kv[remote]))
-        pushed = np.flatnonzero(self.rank != home[tiles.q])
-        for t in np.unique(self.rank[pushed]).tolist():
-            self._add_q_out(pushed[self.rank[pushed] == t], t)
+        self._state = BalancerState(
+            q=np.ascontiguousarray(tiles.q, dtype=np.int64), kv=np.ascontiguousarray(tiles.kv, dtype=np.int64), c=np.ascontiguousarray(compute, dtype=np.float64), home=home, node=self.node,
+            node_start=self.node_start, node_size=self.node_size, bw=self.bw, q_bytes=self.q_bytes,
+            kv_bytes=self.kv_bytes, out_bytes=self.out_bytes, rank=self.rank, C=self.C, send=self.send,
+            recv=self.recv, have_q=self.have_q, have_kv=self.have_kv, has_out=self.has_out, node_kv=self.node_kv)
+        self._rule = MoveRule(multi_node=self.multi_node, relay_aware=self.relay_aware,
+                              spread_sends=self.spread_sends, duplex=self.duplex, overlap=self.overlap,
+                              level_nodes=self.level_nodes, slack=BALANCE_SLACK, max_rounds=MAX_ROUNDS,
+                              max_targets=MAX_TARGETS_PER_DONOR, max_failed_homes=MAX_FAILED_HOMES,
+                              max_move_tiles=MAX_MOVE_TILES, mean_tile=float(self._mean_tile),
+                              row_over_column=float(self._row_over_column))
+        moves.count_start(self._state, self._rule)
 
-    # ------------------------------------------------------------------ bookkeeping
-    def _link(self, a, b) -> np.ndarray:
-        return (self.node[a] != self.node[b]).astype(np.int64)
-
-    def _add_kv(self, dst: np.ndarray, kv: np.ndarray) -> None:
-        """Count the KV transfers that give ranks ``dst`` the blocks ``kv`` (distinct pairs, none held yet)."""
-        self.have_kv[dst, kv] = True
-        src, link = self.home[kv], self._link(self.home[kv], dst)
-        if self.relay_aware:
-            # Relays: a block crosses into a node once, into a proxy rotating with the block (the
-            # node's NICs share the inbound copies), and reaches the node's other readers over NVLink.
-            nd = self.node[dst]
-            inter = link == 1
-            fresh = inter & (self.node_kv[nd, kv] < 0)
-            if fresh.any():
-                _, first = np.unique(nd[fresh] * self.nB + kv[fresh], return_index=True)
-                cross_kv = kv[fresh][first]
-                cross_node = nd[fresh][first]
-                proxy = self.node_start[cross_node] + cross_kv % self.node_size[cross_node]
-                sender = self.home[cross_kv]
-                if self.spread_sends:
-                    home_node = self.node[sender]
-                    mate = self.node_start[home_node] + (cross_kv + cross_node) % self.node_size[home_node]
-                    hop = mate != sender
-                    nvlink = np.zeros(int(hop.sum()), dtype=np.int64)
-                    np.add.at(self.send, (sender[hop], nvlink), self.kv_bytes[cross_kv[hop]])
-                    np.add.at(self.recv, (mate[hop], nvlink), self.kv_bytes[cross_kv[hop]])
-                    sender = mate
-                np.add.at(self.send, (sender, np.ones_like(cross_kv)), self.kv_bytes[cross_kv])
-                np.add.at(self.recv, (proxy, np.ones_like(cross_kv)), self.kv_bytes[cross_kv])
-                self.node_kv[cross_node, cross_kv] = proxy
-            holder = self.node_kv[nd, kv]
-            src = np.where(inter, holder, src)
-            link = np.where(inter, 0, link)
-            keep = src != dst  # the proxy itself already counted its NIC receive
-            src, dst, link, kv = src[keep], dst[keep], link[keep], kv[keep]
-        np.add.at(self.send, (src, link), self.kv_bytes[kv])
-        np.add.at(self.recv, (dst, link), self.kv_bytes[kv])
-
-    def _distinct_pairs(self, dst: np.ndarray, kv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The distinct (dst, kv) pairs, ascending by ``dst * nB + kv``."""
-        if dst.size * 8 > self.have_kv.size:  # large batch: dedupe on the [P, nB] grid, no sort
-            grid = np.zeros_like(self.have_kv)
-            grid[dst, kv] = True
-            return np.nonzero(grid)
-        key = np.sort(dst * self.nB + kv)
-        key = key[run_heads(key)]
-        return key // self.nB, key % self.nB
-
+    # ------------------------------------------------------------------ moves (planner/balance_moves.py)
     def comm_time(self, r: int) -> float:
         """Rank r's transfer seconds on its slower link: sends + receives (``duplex``: the busier of them)."""
-        if self.duplex:
-            return float((np.maximum(self.send[r], self.recv[r]) / self.bw).max())
-        return float(((self.send[r] + self.recv[r]) / self.bw).max())
+        return moves.comm_time(self._state, self._rule, r)
 
     def _move_comm(self, cand: np.ndarray, r: int, t: int) -> tuple[np.ndarray, np.ndarray]:
         """([k], [k]): the comm times of donor r and target t after moving each prefix of ``cand`` (tiles
-        on r) to t. A prefix adds Q into t and OUT back from t per new q-block (both on the q-home's link,
-        and both the donor's own where it is that home), KV into t per new kv-block (with ``duplex`` also
-        a send of the donor's where it is that block's home; the summed view leaves it out)."""
-        q, kv = self.t.q[cand], self.t.kv[cand]
-        hq = self.home[q]
-        first_q = first_occurrence(q, self._scratch)
-        q_in = np.where(first_q & ~self.have_q[t, q], self.q_bytes[q], 0.0)
-        out_back = np.where(first_q & (hq != t) & ~self.has_out[t, q], self.out_bytes[q], 0.0)
-        kv_in = np.where(first_occurrence(kv, self._scratch) & ~self.have_kv[t, kv], self.kv_bytes[kv], 0.0)
-        lq = lkv = None
-        if self.multi_node:
-            lq, lkv = self._link(hq, t), self._link(self.home[kv], t)
-            if self.relay_aware:
-                lkv = lkv & (self.node_kv[self.node[t], kv] < 0)  # held on t's node: relayed over NVLink
-        q_of_r = hq == r
-        if not self.duplex:
-            q_out = q_in + out_back
-            return (self._prefix_comm(r, np.where(q_of_r, q_out, 0.0), lq),
-                    self._prefix_comm(t, q_out, lq, kv_in, lkv))
-        kv_of_r = self.home[kv] == r
-        return (self._prefix_duplex(r, [(np.where(q_of_r, q_in, 0.0), lq), (np.where(kv_of_r, kv_in, 0.0), lkv)],
-                                    [(np.where(q_of_r, out_back, 0.0), lq)]),
-                self._prefix_duplex(t, [(out_back, lq)], [(q_in, lq), (kv_in, lkv)]))
+        on r) to t (``balance_moves.move_comm``)."""
+        return moves.move_comm(self._state, self._rule, np.ascontiguousarray(cand, dtype=np.int64), r, t)
 
-    def _prefix_duplex(self, r: int, sends: list, recvs: list) -> np.ndarray:
-        """``_prefix_comm`` with ``duplex``: [k] comm time of rank r after each prefix of a move whose
-        (bytes [k], link [k] or None for one node) entries add to its sends and its receives, each link
-        taking its busier direction."""
-        k = sends[0][0].size
-        out = np.zeros(k)
-        for link in ((0,) if not self.multi_node else (0, 1)):
-            busiest = None
-            for base, parts in ((self.send[r, link], sends), (self.recv[r, link], recvs)):
-                total = np.zeros(k)
-                for moved, lk in parts:
-                    total += moved if lk is None else np.where(lk == link, moved, 0.0)
-                cum = base + np.cumsum(total)
-                busiest = cum if busiest is None else np.maximum(busiest, cum)
-            out = np.maximum(out, busiest / self.bw[link])
-        return out
-
-    def _estimate(self, compute, comm):
-        """A rank's time as the balancer weighs it: max(C, X), plus ``overlap`` x min(C, X) (the part of
-        the shorter one the stages leave exposed); scalars or arrays."""
-        if self.overlap == 0.0:
-            return np.maximum(compute, comm)
-        return np.maximum(compute, comm) + self.overlap * np.minimum(compute, comm)
-
-    def _prefix_comm(self, r: int, moved: np.ndarray, link: np.ndarray, moved_kv: np.ndarray | None = None,
-                     link_kv: np.ndarray | None = None) -> np.ndarray:
-        """[k] comm time of rank r after each prefix of a move whose entries add ``moved`` bytes on link
-        ``link`` (and ``moved_kv`` on ``link_kv``) to r's sends + receives. Sends and receives are added,
-        not overlapped: a moved row's Q leaves before the compute and its OUT returns after it. (Byte
-        counts are whole numbers, so the float sums are exact in any order.)"""
-        if not self.multi_node:  # one node: every transfer is on NVLink
-            total = moved if moved_kv is None else moved + moved_kv
-            return (self.send[r, 0] + self.recv[r, 0] + np.cumsum(total)) / self.bw[0]
-        per_link = np.zeros((moved.size, 2))
-        rows = np.arange(moved.size)
-        per_link[rows, link] = moved
-        if moved_kv is not None:
-            per_link[rows, link_kv] += moved_kv
-        return ((self.send[r] + self.recv[r] + np.cumsum(per_link, axis=0)) / self.bw).max(axis=1)
-
-    # ------------------------------------------------------------------ moves
     def try_move(self, cand: np.ndarray, r: int, t: int) -> bool:
-        """Move the best prefix of ``cand`` (tiles on r, in preference order) to t; True if moved."""
-        amount = min(self.C[r] - self.mean, self.cap - self.C[t])
-        if cand.size == 0 or amount <= 0:
-            return False
-        cum_c = np.cumsum(self.c[cand])
-        k_max = int(np.searchsorted(cum_c, amount, side="right"))
-        if k_max < cand.size:
-            k_max += 1  # allow the tile that crosses the amount; the objective decides
-        k_max = min(k_max, MAX_MOVE_TILES)
-        cand, cum_c = cand[:k_max], cum_c[:k_max]
-        comm_r, comm_t = self._move_comm(cand, r, t)
-        load_t = self.C[t] + cum_c
-        estimate_t = self._estimate(load_t, comm_t)
-        time_t = estimate_t if self.overlap == 0.0 else np.maximum(load_t, comm_t)
-        obj = np.maximum(self._estimate(self.C[r] - cum_c, comm_r), estimate_t)
-        # never turn the target into a new straggler: its time stays within the cap
-        comm_t_now = self.comm_time(t)
-        obj[time_t > max(self.cap, self.C[t], comm_t_now)] = np.inf
-        before = max(self._estimate(self.C[r], self.comm_time(r)), self._estimate(self.C[t], comm_t_now))
-        k = int(np.argmin(obj))
-        if obj[k] >= before * (1 - 1e-6):
-            if not self.spread_sends:
-                return False
-            k = self._shed_behind_transfers(r, t, cum_c, comm_r, obj, before)
-            if k < 0:
-                return False
-        self._apply(cand[: k + 1], r, t)
-        return True
-
-    def _shed_behind_transfers(self, r: int, t: int, cum_c: np.ndarray, comm_r: np.ndarray, obj: np.ndarray,
-                               before: float) -> int:
-        """Prefix (index, -1 for none) that a donor bound by its transfers still sheds, with
-        ``spread_sends``: max(C, X) sees no gain, but the stages overlap its transfers with only part of
-        its compute, so less compute shortens it. Taken where r's transfers (``comm_r``, per prefix) do
-        not grow (e.g. rows to a node-mate over NVLink while r's NIC is the bound), the pair's max(C, X)
-        does not grow and the target stays within the cap (``obj`` is inf past it), evening out the two
-        ranks' compute."""
-        ok = (comm_r <= self.comm_time(r) * (1 + 1e-9)) & (obj <= before * (1 + 1e-9))
-        spread = np.where(ok, np.maximum(self.C[r] - cum_c, self.C[t] + cum_c), np.inf)
-        k = int(np.argmin(spread))
-        return k if spread[k] < self.C[r] * (1 - 1e-6) else -1
+        """Move the best prefix of ``cand`` (tiles on r, in preference order) to t; True if moved
+        (``balance_moves.best_prefix``: the prefix minimizing max(time(r), time(t)), the target kept
+        within the cap; with ``spread_sends`` a donor bound by its transfers still sheds compute where
+        they do not grow)."""
+        return moves.try_move(self._state, self._rule, np.ascontiguousarray(cand, dtype=np.int64), r, t,
+                              float(self.mean), float(self.cap))
 
     def _apply(self, idx: np.ndarray, r: int, t: int) -> None:
-        kv = self.t.kv[idx]
-        self.C[r] -= self.c[idx].sum()
-        self.C[t] += self.c[idx].sum()
-        self.rank[idx] = t
-        self._add_q_out(idx, t)
-        kv = _distinct(kv, self._scratch)  # (one receiver: distinct blocks in O(k), no sort)
-        kv = kv[~self.have_kv[t, kv]]
-        self._add_kv(np.full(kv.size, t), kv)
-
-    def _add_q_out(self, idx: np.ndarray, t: int) -> None:
-        q = self.t.q[idx]
-        uq = _distinct(q, self._scratch)
-        new_q = uq[~self.have_q[t, uq]]
-        src, link = self.home[new_q], self._link(self.home[new_q], t)
-        np.add.at(self.send, (src, link), self.q_bytes[new_q])
-        self.recv[t] += np.bincount(link, weights=self.q_bytes[new_q], minlength=2)
-        self.have_q[t, new_q] = True
-        out_q = uq[(self.home[uq] != t) & ~self.has_out[t, uq]]
-        dst, link = self.home[out_q], self._link(self.home[out_q], t)
-        self.send[t] += np.bincount(link, weights=self.out_bytes[out_q], minlength=2)
-        np.add.at(self.recv, (dst, link), self.out_bytes[out_q])
-        self.has_out[t, out_q] = True
-
-    def _target_order(self, ranks: np.ndarray, r: int) -> np.ndarray:
-        """Indices of the first MAX_TARGETS_PER_DONOR of ``ranks``: same node as r first, then least loaded."""
-        return np.lexsort((self.C[ranks], self.node[ranks] != self.node[r]))[:MAX_TARGETS_PER_DONOR]
+        moves.apply_move(self._state, self._rule, np.ascontiguousarray(idx, dtype=np.int64), r, t)
 
     # ------------------------------------------------------------------ driver
     def run(self) -> np.ndarray:
-        """Shed load from overloaded ranks; returns the tile ranks."""
-        if _nothing_to_shed(self.C, self.cap, self.c.size):
-            return self.rank
-        # A donor's candidates are its initial tiles (targets are filled to about the cap, so the
-        # tiles a rank received are never worth passing on again).
-        by_rank = argsort_small_ints(self.rank)
-        bounds = np.searchsorted(self.rank[by_rank], np.arange(self.P + 1))
-        stuck = np.zeros(self.P, dtype=bool)  # donors that found no move in a round stay put
-        for _ in range(MAX_ROUNDS):
-            progress = False
-            for r in np.argsort(-self.C, kind="stable").tolist():
-                if self.C[r] <= self.cap:
-                    break
-                if stuck[r] or not np.any(self.C < self.mean):
-                    continue
-                load_before = self.C[r]
-                self._shed(r, by_rank[bounds[r]:bounds[r + 1]])
-                stuck[r] = self.C[r] >= load_before
-                progress |= not stuck[r]
-            if not progress:
-                break
-        if self.level_nodes:
-            self._level_nodes(by_rank, bounds)
+        """Shed load from overloaded ranks (``balance_moves.run_rounds``); returns the tile ranks."""
+        if not _nothing_to_shed(self.C, self.cap, self.c.size):
+            moves.run_rounds(self._state, self._rule, float(self.mean), float(self.cap))
         return self.rank
-
-    def _level_nodes(self, by_rank: np.ndarray, bounds: np.ndarray) -> None:
-        """``level_nodes``: inside every node whose mean compute is still over the mean (shedding more
-        of its work would cost more NIC time than it saves), shed from its ranks over the node's mean
-        to node-mates under it, as above with the node's mean and cap: the node's busiest rank then
-        carries about the node's mean, not whatever its homes left it."""
-        mean, cap = self.mean, self.cap
-        try:
-            for n in range(self.num_nodes):
-                ranks = np.arange(self.node_start[n], self.node_start[n] + self.node_size[n])
-                node_mean = float(self.C[ranks].mean())
-                if node_mean <= mean:
-                    continue
-                self.mean, self.cap, self._only_node = node_mean, node_mean * (1 + BALANCE_SLACK), n
-                for r in ranks[np.argsort(-self.C[ranks], kind="stable")].tolist():
-                    if self.C[r] <= self.cap:
-                        break
-                    self._shed(r, by_rank[bounds[r]:bounds[r + 1]])
-        finally:
-            self.mean, self.cap, self._only_node = mean, cap, None
-
-    def _shed(self, r: int, initial: np.ndarray) -> None:
-        """One donor's turn: rows, then rectangles, of its ``initial`` tiles it still holds."""
-        mine = initial[self.rank[initial] == r]
-        self._shed_rows(r, mine)
-        self._shed_rectangles(r, mine[self.rank[mine] == r])
-
-    def _shed_rows(self, r: int, mine: np.ndarray) -> None:
-        """Rows of r's tiles to kv-homes under the mean (only Q + OUT move), largest rows first."""
-        q, kv = self.t.q[mine], self.t.kv[mine]
-        kv_home = self.home[kv]
-        row_c = np.bincount(q, weights=self.c[mine], minlength=self.nB)
-        # rows by decreasing compute (ties: lower q), tiles of a row by kv: ``mine`` is in (q, kv) order,
-        # so a stable sort by the row's rank alone (a linear radix sort of small ints) gives that order
-        row_rank = np.empty(self.nB, dtype=np.int64)
-        row_rank[np.argsort(-row_c, kind="stable")] = np.arange(self.nB)
-        order = argsort_small_ints(row_rank[q])
-        mine_rows, kv_home_rows = mine[order], kv_home[order]
-        homes = np.flatnonzero(np.bincount(kv_home, minlength=self.P))
-        homes = homes[(homes != r) & (self.C[homes] < self.mean)]
-        if self._only_node is not None:
-            homes = homes[self.node[homes] == self._only_node]
-        homes = homes[self._target_order(homes, r)]
-        failed = 0
-        for t in homes.tolist():
-            if self.C[r] <= self.cap or failed >= MAX_FAILED_HOMES:
-                return
-            rows = mine_rows[kv_home_rows == t]
-            failed = 0 if self.try_move(rows[self.rank[rows] == r], r, t) else failed + 1
-
-    def _shed_rectangles(self, r: int, mine: np.ndarray) -> None:
-        """Rectangles of r's tiles to the least loaded ranks, same node first. A failed move means
-        more loaded targets of the same class (same node / other node) would fail too - except on one
-        node, where a target may fail for its own transfers (e.g. it homes blocks many ranks read): a
-        more loaded one with less transfer time than every failed one is still tried."""
-        under = np.flatnonzero(self.C < self.mean)
-        if self._only_node is not None:
-            under = under[self.node[under] == self._only_node]
-        targets = under[self._target_order(under, r)]
-        if targets.size == 0 or mine.size == 0:
-            return
-        n = max(1.0, (self.C[r] - self.mean) / targets.size / self._mean_tile)
-        width = int(max(1, round(np.sqrt(n * self._row_over_column))))
-        # tiles by (kv // width, q, kv): ``mine`` is in (q, kv) order, so a stable sort by kv // width
-        # alone (a linear radix sort of small ints) gives that order
-        rect = mine[argsort_small_ints(self.t.kv[mine] // width)]
-        failed = {}  # class -> the least transfer time of its targets that failed
-        for t in targets.tolist():
-            if self.C[r] <= self.cap:
-                return
-            remote = bool(self.node[t] != self.node[r])
-            if self.C[t] >= self.cap:
-                continue
-            if remote in failed and (self.multi_node or self.comm_time(t) >= failed[remote]):
-                continue
-            rect = rect[self.rank[rect] == r]
-            if not self.try_move(rect, r, t):
-                failed[remote] = min(failed.get(remote, np.inf), self.comm_time(t))
 
 
 def balanced_ranks(tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology,
@@ -444,11 +184,6 @@ def _load_and_cap(rank: np.ndarray, compute: np.ndarray, world_size: int) -> tup
 def _nothing_to_shed(load: np.ndarray, cap: float, num_tiles: int) -> bool:
     """Whether ``Balancer.run`` moves no tile: one rank, no tiles, or no rank over the cap."""
     return load.size == 1 or num_tiles == 0 or float(load.max()) <= cap
-
-
-def _distinct(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """Distinct values (indices of ``scratch``) in order of first occurrence; O(k), no sort."""
-    return values[first_occurrence(values, scratch)]
 
 
 def pushed_rows(tiles: TileSet, home: np.ndarray, *, num_q_heads: int, num_kv_heads: int, head_dim: int,

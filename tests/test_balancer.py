@@ -241,3 +241,42 @@ def test_a_node_over_the_cap_levels_its_own_ranks_with_level_nodes():
     assert node_load[True][0].max() < 1.03 * node_mean, node_load[True]
     assert np.allclose(node_load[True].sum(axis=1), node_load[False].sum(axis=1))
     assert np.array_equal(ranks[True] // 4, ranks[False] // 4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 3000), st.integers(0, 2**32 - 1), st.floats(-12, 3))
+def test_compiled_sum_is_numpys_bit_for_bit(size, seed, scale):
+    """The compiled moves sum a move's compute in numpy's pairwise order (planner/balance_moves.py
+    ``_numpy_sum``), so the Balancer's per-rank loads, and the plans, are those of numpy's ``sum``."""
+    from blockattn.planner.balance_moves import _numpy_sum
+
+    values = np.random.default_rng(seed).random(size) * 10.0 ** scale
+    assert _numpy_sum(values) == values.sum()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=10), st.integers(2, 9), st.integers(1, 4),
+       st.sampled_from(["plain", "relay_aware", "spread_sends", "duplex", "overlap", "level_nodes"]), st.booleans())
+def test_balancer_bookkeeping_holds_every_input_and_conserves_bytes(lens, world_size, per_node, setting, dealt):
+    """After the Balancer's moves (compiled, planner/balance_moves.py), under every setting: each tile's
+    rank holds its Q and KV blocks and owes its OUT partial where the q-block is homed elsewhere, each
+    link's bytes sent equal its bytes received, and the per-rank loads are those of the tile ranks."""
+    from blockattn.planner.balance import Balancer
+    from blockattn.planner.starts import contiguous_cut_home
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(64))
+    home = contiguous_cut_home(tiles, world_size)
+    compute = tiles.pairs.astype(np.float64) * 1e-9
+    start = np.arange(tiles.num_tiles) % world_size if dealt else None
+    flags = {"plain": {}, "relay_aware": dict(relay_aware=True), "spread_sends": dict(relay_aware=True, spread_sends=True),
+             "duplex": dict(duplex=True), "overlap": dict(overlap=0.5), "level_nodes": dict(level_nodes=True)}[setting]
+    balancer = Balancer(tiles, home, compute, world_size, Topology(ranks_per_node=per_node, inter_bw=5e9),
+                        start=start, element_size=2, grad_element_size=4, **flags, **HEADS)
+    rank = balancer.run()
+    assert rank.min() >= 0 and rank.max() < world_size
+    assert balancer.have_kv[rank, tiles.kv].all() and balancer.have_q[rank, tiles.q].all()
+    off_home = home[tiles.q] != rank
+    assert balancer.has_out[rank[off_home], tiles.q[off_home]].all()
+    np.testing.assert_array_equal(balancer.send.sum(axis=0), balancer.recv.sum(axis=0))
+    np.testing.assert_allclose(balancer.C, np.bincount(rank, weights=compute, minlength=world_size), rtol=1e-9)

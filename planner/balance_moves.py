@@ -1,0 +1,514 @@
+"""The Balancer's per-move arithmetic (planner/balance.py), compiled with numba.
+
+Notation (docs/design.md, planner/balance.py): P ranks, nB blocks, tiles (qb, kb) with compute time
+``c``; ``home[b]`` owns block b. Per rank r and link l (0 NVLink, 1 NIC): ``send[r, l]`` / ``recv[r, l]``
+bytes; per rank and block: ``have_q`` / ``have_kv`` (the block is held), ``has_out`` (an OUT partial of
+that q-block goes home from it); per node and block: ``node_kv`` (a rank of the node holding the KV
+block, or -1). ``state`` bundles them with the constants (see ``BalancerState``).
+
+Why compiled: a move evaluates up to MAX_MOVE_TILES prefixes of a candidate list and then updates the
+bookkeeping, ~40 numpy calls on small arrays (~100 us a move, ~25 moves a long-tail plan at 128K / 8),
+where one loop over the candidates takes a few microseconds. The results are the same as the numpy
+forms they replace, to the bit: byte counts are whole numbers (float sums exact in any order), and the
+compute sums keep numpy's order (``_numpy_sum``: numpy's pairwise summation, ``np.cumsum``'s running
+sum), so the plans do not change.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+_JIT = dict(cache=True, nogil=True, error_model="numpy")  # (numpy: float division by zero gives inf)
+
+
+class BalancerState(NamedTuple):
+    """The Balancer's arrays as the compiled moves read and update them (the last seven in place)."""
+
+    q: np.ndarray  # int64 [n] q-block of every tile
+    kv: np.ndarray  # int64 [n] kv-block of every tile
+    c: np.ndarray  # float64 [n] compute seconds of every tile
+    home: np.ndarray  # int64 [nB]
+    node: np.ndarray  # int64 [P] node of every rank
+    node_start: np.ndarray  # int64 [nodes] first rank of every node
+    node_size: np.ndarray  # int64 [nodes]
+    bw: np.ndarray  # float64 [2] NVLink, NIC bandwidth
+    q_bytes: np.ndarray  # float64 [nB]
+    kv_bytes: np.ndarray  # float64 [nB]
+    out_bytes: np.ndarray  # float64 [nB]
+    rank: np.ndarray  # int64 [n] (updated)
+    C: np.ndarray  # float64 [P] compute per rank (updated)
+    send: np.ndarray  # float64 [P, 2] (updated)
+    recv: np.ndarray  # float64 [P, 2] (updated)
+    have_q: np.ndarray  # bool [P, nB] (updated)
+    have_kv: np.ndarray  # bool [P, nB] (updated)
+    has_out: np.ndarray  # bool [P, nB] (updated)
+    node_kv: np.ndarray  # int64 [nodes, nB] (updated)
+
+
+class MoveRule(NamedTuple):
+    """The Balancer's settings and limits (planner/balance.py)."""
+
+    multi_node: bool
+    relay_aware: bool
+    spread_sends: bool
+    duplex: bool
+    overlap: float
+    level_nodes: bool
+    slack: float  # donors shed down to the mean times 1 + slack (the cap)
+    max_rounds: int
+    max_targets: int  # targets tried per donor and round
+    max_failed_homes: int  # kv-homes tried in a row without a move before a donor gives up on rows
+    max_move_tiles: int  # longest prefix evaluated per move
+    mean_tile: float  # a tile's mean compute (sizes the rectangles)
+    row_over_column: float  # (Q + OUT) / KV bytes of a block: the rectangles' shape
+
+
+@numba.njit(**_JIT)
+def _pairwise_leaf(a, lo, n):
+    """numpy's sum of at most 128 values a[lo:lo + n]: eight running sums (fewer than 8 values: one)."""
+    if n < 8:
+        res = 0.0
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i, m = 8, n - n % 8
+    while i < m:
+        j = lo + i
+        r0 += a[j]
+        r1 += a[j + 1]
+        r2 += a[j + 2]
+        r3 += a[j + 3]
+        r4 += a[j + 4]
+        r5 += a[j + 5]
+        r6 += a[j + 6]
+        r7 += a[j + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@numba.njit(**_JIT)
+def _pairwise(a):
+    """numpy's pairwise summation of ``a`` (numpy/_core/src/umath/loops_utils.h.src): runs of more than
+    128 values split in two halves (the first a multiple of 8 long), summed separately and added. With
+    an explicit stack: numba's cache does not load recursive functions back."""
+    if a.size <= 128:
+        return _pairwise_leaf(a, 0, a.size)
+    seg_lo = np.empty(128, dtype=np.int64)
+    seg_n = np.empty(128, dtype=np.int64)
+    combine = np.empty(128, dtype=np.bool_)  # the entry adds the two sums on top of ``sums``
+    sums = np.empty(128)
+    top, depth = 0, 0
+    seg_lo[0], seg_n[0], combine[0] = 0, a.size, False
+    while top >= 0:
+        lo, n, add = seg_lo[top], seg_n[top], combine[top]
+        top -= 1
+        if add:
+            depth -= 1
+            sums[depth - 1] = sums[depth - 1] + sums[depth]
+        elif n <= 128:
+            sums[depth] = _pairwise_leaf(a, lo, n)
+            depth += 1
+        else:
+            half = n // 2
+            half -= half % 8
+            # popped in the order: first half, second half, then their sum
+            seg_lo[top + 1], seg_n[top + 1], combine[top + 1] = 0, 0, True
+            seg_lo[top + 2], seg_n[top + 2], combine[top + 2] = lo + half, n - half, False
+            seg_lo[top + 3], seg_n[top + 3], combine[top + 3] = lo, half, False
+            top += 3
+    return sums[0]
+
+
+@numba.njit(**_JIT)
+def _numpy_sum(a):
+    """``a.sum()`` for a contiguous float64 array, bit for bit."""
+    return 0.0 + _pairwise(a)
+
+
+@numba.njit(**_JIT)
+def comm_time(state, rule, r):
+    """Rank r's transfer seconds on its slower link: sends + receives (``duplex``: the busier)."""
+    best = 0.0
+    for link in range(2):
+        if rule.duplex:
+            moved = max(state.send[r, link], state.recv[r, link])
+        else:
+            moved = state.send[r, link] + state.recv[r, link]
+        best = max(best, moved / state.bw[link])
+    return best
+
+
+@numba.njit(**_JIT)
+def _estimate(rule, compute, comm):
+    """max(C, X) + overlap x min(C, X): a rank's time as the Balancer weighs it."""
+    if rule.overlap == 0.0:
+        return max(compute, comm)
+    return max(compute, comm) + rule.overlap * min(compute, comm)
+
+
+@numba.njit(**_JIT)
+def move_comm(state, rule, cand, r, t):
+    """([k], [k]) comm times of donor r and target t after moving each prefix of ``cand`` (tiles on r) to
+    t: Balancer._move_comm (a prefix adds Q into t and OUT back from t per new q-block, on the q-home's
+    link and the donor's own where it is that home; KV into t per new kv-block, with ``duplex`` also a
+    send of the donor's where it is that block's home)."""
+    k = cand.size
+    nB = state.home.size
+    seen_q = np.zeros(nB, dtype=np.bool_)
+    seen_kv = np.zeros(nB, dtype=np.bool_)
+    node_t = state.node[t]
+    # running bytes per (rank r / t, direction send / recv, link): moved so far
+    r_send = np.zeros(2)
+    r_recv = np.zeros(2)
+    t_send = np.zeros(2)
+    t_recv = np.zeros(2)
+    comm_r = np.empty(k)
+    comm_t = np.empty(k)
+    for i in range(k):
+        tile = cand[i]
+        qb, kb = state.q[tile], state.kv[tile]
+        hq, hkv = state.home[qb], state.home[kb]
+        q_in = out_back = kv_in = 0.0
+        if not seen_q[qb]:
+            seen_q[qb] = True
+            if not state.have_q[t, qb]:
+                q_in = state.q_bytes[qb]
+            if hq != t and not state.has_out[t, qb]:
+                out_back = state.out_bytes[qb]
+        if not seen_kv[kb]:
+            seen_kv[kb] = True
+            if not state.have_kv[t, kb]:
+                kv_in = state.kv_bytes[kb]
+        lq = lkv = 0
+        if rule.multi_node:
+            lq = 1 if state.node[hq] != node_t else 0
+            lkv = 1 if state.node[hkv] != node_t else 0
+            if rule.relay_aware and state.node_kv[node_t, kb] >= 0:
+                lkv = 0  # held on t's node: relayed over NVLink
+        if rule.duplex:
+            if hq == r:
+                r_send[lq] += q_in
+                r_recv[lq] += out_back
+            if hkv == r:
+                r_send[lkv] += kv_in
+            t_send[lq] += out_back
+            t_recv[lq] += q_in
+            t_recv[lkv] += kv_in
+        else:  # sends and receives summed: one running total per link
+            if hq == r:
+                r_send[lq] += q_in + out_back
+            t_send[lq] += q_in + out_back
+            t_send[lkv] += kv_in
+        cr = ct = 0.0
+        for link in range(2 if rule.multi_node else 1):
+            bw = state.bw[link]
+            if rule.duplex:
+                cr = max(cr, max(state.send[r, link] + r_send[link], state.recv[r, link] + r_recv[link]) / bw)
+                ct = max(ct, max(state.send[t, link] + t_send[link], state.recv[t, link] + t_recv[link]) / bw)
+            else:
+                cr = max(cr, (state.send[r, link] + state.recv[r, link] + r_send[link]) / bw)
+                ct = max(ct, (state.send[t, link] + state.recv[t, link] + t_send[link]) / bw)
+        comm_r[i] = cr
+        comm_t[i] = ct
+    return comm_r, comm_t
+
+
+@numba.njit(**_JIT)
+def best_prefix(state, rule, cand, r, t, mean, cap):
+    """The number of leading tiles of ``cand`` (tiles on r, in preference order) that Balancer.try_move
+    moves to t, 0 for none: the prefix minimizing max(time(r), time(t)), up to the tile that brings r to
+    the mean or t to the cap, never turning t into a new straggler (its time stays within the cap)."""
+    C = state.C
+    amount = min(C[r] - mean, cap - C[t])
+    if cand.size == 0 or amount <= 0:
+        return 0
+    cum_c = np.cumsum(state.c[cand])
+    k_max = np.searchsorted(cum_c, amount, side="right")
+    if k_max < cand.size:
+        k_max += 1  # allow the tile that crosses the amount; the objective decides
+    k_max = min(k_max, rule.max_move_tiles)
+    cum_c = cum_c[:k_max]
+    comm_r, comm_t = move_comm(state, rule, cand[:k_max], r, t)
+    comm_r_now, comm_t_now = comm_time(state, rule, r), comm_time(state, rule, t)
+    limit = max(cap, C[t], comm_t_now)
+    before = max(_estimate(rule, C[r], comm_r_now), _estimate(rule, C[t], comm_t_now))
+    obj = np.empty(k_max)
+    best = 0
+    for i in range(k_max):
+        load_t = C[t] + cum_c[i]
+        estimate_t = _estimate(rule, load_t, comm_t[i])
+        time_t = estimate_t if rule.overlap == 0.0 else max(load_t, comm_t[i])
+        obj[i] = np.inf if time_t > limit else max(_estimate(rule, C[r] - cum_c[i], comm_r[i]), estimate_t)
+        if obj[i] < obj[best]:
+            best = i
+    if obj[best] < before * (1 - 1e-6):
+        return best + 1
+    if not rule.spread_sends:
+        return 0
+    # A donor bound by its transfers still sheds compute where its transfers do not grow, the pair's
+    # max(C, X) does not grow and the target stays within the cap (``obj`` is inf past it): the stages
+    # overlap its transfers with only part of its compute (Balancer._shed_behind_transfers).
+    best, spread_best = -1, np.inf
+    for i in range(k_max):
+        if comm_r[i] <= comm_r_now * (1 + 1e-9) and obj[i] <= before * (1 + 1e-9):
+            spread = max(C[r] - cum_c[i], C[t] + cum_c[i])
+            if spread < spread_best:
+                best, spread_best = i, spread
+    return best + 1 if best >= 0 and spread_best < C[r] * (1 - 1e-6) else 0
+
+
+@numba.njit(**_JIT)
+def _add_bytes(table, rank, link, nbytes):
+    table[rank, link] += nbytes
+
+
+@numba.njit(**_JIT)
+def add_kv(state, rule, d, kb):
+    """Count the KV transfer that gives rank d block kb (not held yet). With ``relay_aware`` the block
+    crosses into d's node once, into a proxy rotating with the block (with ``spread_sends`` leaving
+    its home's node through a node-mate rotating with the block and the node), and reaches the node's
+    other readers over NVLink."""
+    state.have_kv[d, kb] = True
+    src = state.home[kb]
+    link = 1 if state.node[src] != state.node[d] else 0
+    nbytes = state.kv_bytes[kb]
+    if rule.relay_aware and link == 1:
+        nd = state.node[d]
+        if state.node_kv[nd, kb] < 0:  # first copy into the node: over a NIC, to the proxy
+            proxy = state.node_start[nd] + kb % state.node_size[nd]
+            sender = src
+            if rule.spread_sends:
+                home_node = state.node[src]
+                mate = state.node_start[home_node] + (kb + nd) % state.node_size[home_node]
+                if mate != sender:
+                    _add_bytes(state.send, sender, 0, nbytes)
+                    _add_bytes(state.recv, mate, 0, nbytes)
+                sender = mate
+            _add_bytes(state.send, sender, 1, nbytes)
+            _add_bytes(state.recv, proxy, 1, nbytes)
+            state.node_kv[nd, kb] = proxy
+        src, link = state.node_kv[nd, kb], 0
+        if src == d:  # the proxy itself: its NIC receive is counted
+            return
+    _add_bytes(state.send, src, link, nbytes)
+    _add_bytes(state.recv, d, link, nbytes)
+
+
+@numba.njit(**_JIT)
+def add_q_out(state, t, qb):
+    """Count the Q block qb into rank t and its OUT partial back home, where not counted yet."""
+    hq = state.home[qb]
+    link = 1 if state.node[hq] != state.node[t] else 0
+    if not state.have_q[t, qb]:
+        _add_bytes(state.send, hq, link, state.q_bytes[qb])
+        _add_bytes(state.recv, t, link, state.q_bytes[qb])
+        state.have_q[t, qb] = True
+    if hq != t and not state.has_out[t, qb]:
+        _add_bytes(state.send, t, link, state.out_bytes[qb])
+        _add_bytes(state.recv, hq, link, state.out_bytes[qb])
+        state.has_out[t, qb] = True
+
+
+@numba.njit(**_JIT)
+def apply_move(state, rule, tiles, r, t):
+    """Move ``tiles`` from r to t: compute, ranks and the transfers they add (Balancer._apply)."""
+    moved = _numpy_sum(state.c[tiles])
+    state.C[r] -= moved
+    state.C[t] += moved
+    for i in range(tiles.size):
+        tile = tiles[i]
+        state.rank[tile] = t
+        add_q_out(state, t, state.q[tile])
+        kb = state.kv[tile]
+        if not state.have_kv[t, kb]:
+            add_kv(state, rule, t, kb)
+
+
+@numba.njit(**_JIT)
+def try_move(state, rule, cand, r, t, mean, cap):
+    """Balancer.try_move: move ``best_prefix`` of ``cand`` to t; True if any tile moved."""
+    k = best_prefix(state, rule, cand, r, t, mean, cap)
+    if k == 0:
+        return False
+    apply_move(state, rule, cand[:k], r, t)
+    return True
+
+
+@numba.njit(**_JIT)
+def count_start(state, rule):
+    """The transfers of the starting assignment ``state.rank``, counted into the empty bookkeeping
+    (every block held by its home only): each tile's remote KV once per rank, and each tile placed off
+    its q-block's home its Q in and OUT back once per rank."""
+    for tile in range(state.q.size):
+        d, qb, kb = state.rank[tile], state.q[tile], state.kv[tile]
+        if not state.have_kv[d, kb]:
+            add_kv(state, rule, d, kb)
+        if state.home[qb] != d:
+            add_q_out(state, d, qb)
+
+
+@numba.njit(**_JIT)
+def _stable_order(keys):
+    """Stable argsort (ties keep their positions' order), as numpy's ``kind="stable"``: for a few keys."""
+    return np.argsort(keys, kind="mergesort")
+
+
+@numba.njit(**_JIT)
+def _counting_order(keys, num_keys):
+    """Stable argsort of ints in [0, num_keys): a counting sort, O(n + num_keys) (a merge sort of the
+    tiles was 3-8x slower than numpy's)."""
+    start = np.zeros(num_keys + 1, dtype=np.int64)
+    for k in keys:
+        start[k + 1] += 1
+    for i in range(num_keys):
+        start[i + 1] += start[i]
+    order = np.empty(keys.size, dtype=np.int64)
+    for i in range(keys.size):
+        order[start[keys[i]]] = i
+        start[keys[i]] += 1
+    return order
+
+
+@numba.njit(**_JIT)
+def _target_order(state, rule, ranks, r):
+    """The first ``max_targets`` of ``ranks``: same node as r first, then least loaded (ties: as listed)."""
+    by_load = ranks[_stable_order(state.C[ranks])]
+    out = np.empty(by_load.size, dtype=np.int64)
+    n = 0
+    for remote in (False, True):
+        for i in range(by_load.size):
+            if (state.node[by_load[i]] != state.node[r]) == remote:
+                out[n] = by_load[i]
+                n += 1
+    return out[: min(n, rule.max_targets)]
+
+
+@numba.njit(**_JIT)
+def _on_rank(state, tiles, r):
+    """The tiles of ``tiles`` still on rank r, in order."""
+    keep = np.empty(tiles.size, dtype=np.bool_)
+    for i in range(tiles.size):
+        keep[i] = state.rank[tiles[i]] == r
+    return tiles[keep]
+
+
+@numba.njit(**_JIT)
+def _shed_rows(state, rule, r, mine, mean, cap, only_node):
+    """Rows of r's tiles ``mine`` to kv-homes under the mean (only Q + OUT move), largest rows first."""
+    nB = state.home.size
+    row_c = np.zeros(nB)
+    row_of = np.full(nB, -1)  # the rows of ``mine``, numbered in ascending q (``mine`` is in (q, kv) order)
+    rows = np.empty(mine.size, dtype=np.int64)
+    num_rows = 0
+    for tile in mine:  # (in order: bincount's sums)
+        qb = state.q[tile]
+        row_c[qb] += state.c[tile]
+        if row_of[qb] < 0:
+            row_of[qb] = num_rows
+            rows[num_rows] = qb
+            num_rows += 1
+    # rows by decreasing compute, ties: lower q (stable over ascending q)
+    row_rank = np.empty(num_rows, dtype=np.int64)
+    row_rank[_stable_order(-row_c[rows[:num_rows]])] = np.arange(num_rows)
+    # a stable sort by the row's rank keeps each row's tiles in kv order
+    rows_all = mine[_counting_order(row_rank[row_of[state.q[mine]]], num_rows)]
+    kv_home_rows = state.home[state.kv[rows_all]]
+    reads = np.zeros(state.C.size, dtype=np.bool_)
+    reads[kv_home_rows] = True
+    homes = np.flatnonzero(reads)
+    ok = np.empty(homes.size, dtype=np.bool_)
+    for i in range(homes.size):
+        h = homes[i]
+        ok[i] = h != r and state.C[h] < mean and (only_node < 0 or state.node[h] == only_node)
+    failed = 0
+    for t in _target_order(state, rule, homes[ok], r):
+        if state.C[r] <= cap or failed >= rule.max_failed_homes:
+            return
+        rows = _on_rank(state, rows_all[kv_home_rows == t], r)
+        failed = 0 if try_move(state, rule, rows, r, t, mean, cap) else failed + 1
+
+
+@numba.njit(**_JIT)
+def _shed_rectangles(state, rule, r, mine, mean, cap, only_node):
+    """Rectangles of r's tiles ``mine`` to the least loaded ranks, same node first. A failed move means
+    more loaded targets of the same class (same node / other node) would fail too - except on one node,
+    where a target may fail for its own transfers (e.g. it homes blocks many ranks read): a more loaded
+    one with less transfer time than every failed one is still tried."""
+    under = np.flatnonzero(state.C < mean)
+    if only_node >= 0:
+        under = under[state.node[under] == only_node]
+    targets = _target_order(state, rule, under, r)
+    if targets.size == 0 or mine.size == 0:
+        return
+    n = max(1.0, (state.C[r] - mean) / targets.size / rule.mean_tile)
+    width = int(max(1.0, np.rint(np.sqrt(n * rule.row_over_column))))  # (rint: Python's round, half to even)
+    # tiles by (kv // width, q, kv): ``mine`` is in (q, kv) order, so a stable sort by kv // width does it
+    rect = mine[_counting_order(state.kv[mine] // width, state.home.size // width + 1)]
+    failed = np.full(2, np.inf)  # per class (same node, other node): the least transfer time of a failed target
+    for t in targets:
+        if state.C[r] <= cap:
+            return
+        remote = 1 if state.node[t] != state.node[r] else 0
+        if state.C[t] >= cap:
+            continue
+        if failed[remote] < np.inf and (rule.multi_node or comm_time(state, rule, t) >= failed[remote]):
+            continue
+        rect = _on_rank(state, rect, r)
+        if not try_move(state, rule, rect, r, t, mean, cap):
+            failed[remote] = min(failed[remote], comm_time(state, rule, t))
+
+
+@numba.njit(**_JIT)
+def _shed(state, rule, r, initial, mean, cap, only_node):
+    """One donor's turn: rows, then rectangles, of its ``initial`` tiles it still holds."""
+    mine = _on_rank(state, initial, r)
+    _shed_rows(state, rule, r, mine, mean, cap, only_node)
+    _shed_rectangles(state, rule, r, _on_rank(state, mine, r), mean, cap, only_node)
+
+
+@numba.njit(**_JIT)
+def run_rounds(state, rule, mean, cap):
+    """Balancer.run's rounds: the donors over the cap, most loaded first, shed to targets under the mean,
+    for up to ``max_rounds`` rounds while some donor makes progress; then, with ``level_nodes``, each node
+    whose mean is still over the mean levels its own ranks to its own mean. A donor's candidates are its
+    initial tiles (targets are filled to about the cap, so the tiles a rank received are never worth
+    passing on again)."""
+    P = state.C.size
+    by_rank = _counting_order(state.rank, P)
+    bounds = np.searchsorted(state.rank[by_rank], np.arange(P + 1))
+    stuck = np.zeros(P, dtype=np.bool_)  # donors that found no move in a round stay put
+    for _ in range(rule.max_rounds):
+        progress = False
+        for r in _stable_order(-state.C):
+            if state.C[r] <= cap:
+                break
+            if stuck[r] or not (state.C < mean).any():
+                continue
+            load_before = state.C[r]
+            _shed(state, rule, r, by_rank[bounds[r]:bounds[r + 1]], mean, cap, -1)
+            stuck[r] = state.C[r] >= load_before
+            progress |= not stuck[r]
+        if not progress:
+            break
+    if not rule.level_nodes:
+        return
+    # (shedding more of such a node's work would cost more NIC time than it saves)
+    for n in range(state.node_start.size):
+        ranks = np.arange(state.node_start[n], state.node_start[n] + state.node_size[n])
+        node_mean = _numpy_sum(state.C[ranks]) / ranks.size
+        if node_mean <= mean:
+            continue
+        node_cap = node_mean * (1 + rule.slack)
+        for r in ranks[_stable_order(-state.C[ranks])]:
+            if state.C[r] <= node_cap:
+                break
+            _shed(state, rule, r, by_rank[bounds[r]:bounds[r + 1]], node_mean, node_cap, n)
