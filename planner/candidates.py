@@ -27,6 +27,7 @@ from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, pay
 from .stages import assign_stages
 from .stages_bwd import defer_backward_groups, defer_variant_sets
 from .starts import contiguous_cut_home, dealt_home, hierarchical_home, spread_read_blocks
+from .tile_loops import remote_tokens
 from .tiles import TileSet
 
 BASELINE_INITS = ("zigzag-ring", "zigzag-allgather")  # planner/baselines.py zigzag and allgather as they are
@@ -150,11 +151,10 @@ def moved_bytes(tiles: TileSet, home: np.ndarray, rank: np.ndarray, sizes: dict)
     """Forward + backward payload bytes of a plan without relays (as its CommSchedule's rows add up):
     per remote q-block a rank computes tiles of, Q, OUT, dO and dQ; per remote kv-block, KV and dK/dV."""
     block_len = tiles.block_lengths()
+    world_size = int(rank.max()) + 1 if rank.size else 1
     total = 0.0
     for blocks, kinds in ((tiles.q, (KIND_Q, KIND_OUT, KIND_DO, KIND_DQ)), (tiles.kv, (KIND_KV, KIND_DKV))):
-        remote = home[blocks] != rank
-        pairs = np.unique(rank[remote] * tiles.num_blocks + blocks[remote])
-        tokens = float(block_len[pairs % tiles.num_blocks].sum())
+        tokens = float(remote_tokens(blocks, home, rank, block_len, world_size))
         total += tokens * sum(float(payload_bytes(kind, 1, **sizes)) for kind in kinds)
     return total
 

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .placement import argsort_small_ints, run_heads
+from .tile_loops import covered_rows_and_columns
 
 KIND_Q, KIND_KV, KIND_OUT, KIND_DO, KIND_DQ, KIND_DKV = range(6)
 KIND_NAMES = ("Q", "KV", "OUT", "DO", "DQ", "DKV")
@@ -278,9 +279,8 @@ def derive_schedule_merged(tiles, coarse, of_fine: np.ndarray, factor: int, coar
     home = coarse_home[np.arange(tiles.num_blocks) >> shift]
     rank, stage, stage_bwd = (np.asarray(x, dtype=np.int64) for x in (coarse_rank, coarse_stage, coarse_stage_bwd))
     parts = []
-    for fine_block, coarse_block in ((tiles.q, coarse.q), (tiles.kv, coarse.kv)):
-        covered = np.zeros(coarse.num_tiles * factor, dtype=bool)
-        covered[(of_fine << shift) | (fine_block & (factor - 1))] = True  # (shifts: ~2x faster than * and %)
+    for covered, coarse_block in zip(covered_rows_and_columns(tiles.q, tiles.kv, of_fine, shift, coarse.num_tiles),
+                                     (coarse.q, coarse.kv)):
         remote = np.flatnonzero(coarse_home[coarse_block] != rank)
         order, heads, group_rank, group_block = _grouping(rank, coarse_block, remote, coarse.num_blocks)
         if order.size == 0:

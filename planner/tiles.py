@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .placement import run_heads
+from .tile_loops import merge_tiles
 
 # BlockMask -> TileSet, so planning the same mask for several world sizes / strategies converts once.
 _from_block_mask_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -109,32 +109,9 @@ def coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
 
 
 def _coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
-    nbc = -(-tiles.num_blocks // factor)
-    if factor & (factor - 1) == 0:  # (a power of two, as dcp merges: a shift is several times faster)
-        shift = factor.bit_length() - 1
-        qc, kc = tiles.q >> shift, tiles.kv >> shift
-    else:
-        qc, kc = tiles.q // factor, tiles.kv // factor
-    # Dense presence table over each coarse row's kv span only (tiles are sorted by q, so a coarse
-    # row is one contiguous run): sized like the band of the mask, not nbc**2.
-    starts = np.flatnonzero(run_heads(qc))
-    lo = np.zeros(nbc, dtype=np.int64)
-    width = np.zeros(nbc, dtype=np.int64)
-    if qc.size:
-        rows = qc[starts]
-        lo[rows] = np.minimum.reduceat(kc, starts)
-        width[rows] = np.maximum.reduceat(kc, starts) - lo[rows] + 1
-    offset = np.cumsum(width) - width
-    slot = (offset - lo)[qc] + kc
-    present = np.zeros(int(width.sum()), dtype=bool)
-    present[slot] = True
-    index = np.cumsum(present) - 1
-    slots = np.flatnonzero(present)
-    of_fine = index[slot]
-    slot_row = np.repeat(np.arange(nbc), width)[slots]
-    coarse_q, coarse_kv = slot_row, lo[slot_row] + slots - offset[slot_row]
-    pairs = np.bincount(of_fine, weights=tiles.pairs, minlength=slots.size).astype(np.int64)
-    n_full = np.bincount(of_fine[tiles.full], minlength=slots.size)
-    coarse = TileSet(total_len=tiles.total_len, block_size=tiles.block_size * factor, num_blocks=nbc,
-                     q=coarse_q, kv=coarse_kv, full=n_full == factor * factor, pairs=pairs)
+    shift = factor.bit_length() - 1 if factor & (factor - 1) == 0 else -1  # (a power of two: shifts)
+    q, kv, pairs, n_full, of_fine = merge_tiles(tiles.q, tiles.kv, tiles.full, tiles.pairs, factor, shift,
+                                                tiles.num_blocks)
+    coarse = TileSet(total_len=tiles.total_len, block_size=tiles.block_size * factor,
+                     num_blocks=-(-tiles.num_blocks // factor), q=q, kv=kv, full=n_full == factor * factor, pairs=pairs)
     return coarse, of_fine

@@ -1,0 +1,106 @@
+"""Compiled passes over every real tile (numba), where numpy takes several passes and temporaries.
+
+Notation (docs/design.md): tiles (qb, kb) sorted by (q, kv), nB blocks of B tokens, P ranks; blocks
+merged ``factor`` at a time (planner/tiles.py ``coarsen``; dcp merges ``factor = 2 ** shift``), real
+block b in merged block b >> shift, at position b & (factor - 1) inside it; ``home[b]`` owns block b.
+
+Why: a large one-node batch (128K tokens of long documents, 100-200K tiles at block 128) is planned on
+merged blocks, and then every real tile is visited to merge it, to map the merged plan's receive groups
+back to real blocks and to count bytes; in numpy those passes took ~3 of its ~10 ms (about a dozen
+passes over the tiles, each writing a temporary as large). One loop each does the same work in one or
+two passes. The results are the same arrays (integer sums), so the plans do not change.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_JIT = dict(cache=True, nogil=True)
+
+
+@numba.njit(**_JIT)
+def _merged(block, factor, shift):
+    """The merged block of real ``block``: a shift where ``factor`` is a power of two (``shift`` >= 0)."""
+    return block >> shift if shift >= 0 else block // factor
+
+
+@numba.njit(**_JIT)
+def merge_tiles(q, kv, full, pairs, factor, shift, num_blocks):
+    """The tiles of blocks merged ``factor`` at a time, from (q, kv)-sorted real tiles: (merged q, merged
+    kv, each merged tile's real-tile pairs summed, its count of full real tiles, each real tile's merged
+    tile), merged tiles sorted by (q, kv). A merged row is one run of real tiles; its merged columns are
+    found on a presence table over the row's span only (sized like the mask's band, not nB ** 2).
+    ``shift``: log2(factor) where it is a power of two, else -1."""
+    n = q.size
+    num_merged_blocks = (num_blocks + factor - 1) // factor
+    merged_q = np.empty(n, dtype=np.int64)
+    merged_kv = np.empty(n, dtype=np.int64)
+    merged_pairs = np.zeros(n, dtype=np.int64)
+    merged_full = np.zeros(n, dtype=np.int64)
+    of_real = np.empty(n, dtype=np.int64)
+    seen_in_row = np.full(num_merged_blocks, -1, dtype=np.int64)  # the merged row that last held the column
+    index = np.empty(num_merged_blocks, dtype=np.int64)  # the column's merged tile in that row
+    m = 0
+    begin = 0
+    while begin < n:
+        row = _merged(q[begin], factor, shift)
+        end, lo, hi = begin, num_merged_blocks, -1
+        while end < n and _merged(q[end], factor, shift) == row:
+            col = _merged(kv[end], factor, shift)
+            seen_in_row[col] = row
+            lo, hi = min(lo, col), max(hi, col)
+            end += 1
+        for col in range(lo, hi + 1):
+            if seen_in_row[col] == row:
+                merged_q[m], merged_kv[m], index[col] = row, col, m
+                m += 1
+        # a real row's consecutive tiles mostly share a merged tile: sum them in registers (a sum into
+        # the same array cell as the tile before waits for that store, ~3x slower)
+        current, run_pairs, run_full = -1, 0, 0
+        for i in range(begin, end):
+            tile = index[_merged(kv[i], factor, shift)]
+            of_real[i] = tile
+            if tile != current:
+                if current >= 0:
+                    merged_pairs[current] += run_pairs
+                    merged_full[current] += run_full
+                current, run_pairs, run_full = tile, 0, 0
+            run_pairs += pairs[i]
+            run_full += full[i]
+        if current >= 0:
+            merged_pairs[current] += run_pairs
+            merged_full[current] += run_full
+        begin = end
+    # (copies: the merged TileSet is cached with its batch, and holds m of the n entries)
+    return merged_q[:m].copy(), merged_kv[:m].copy(), merged_pairs[:m].copy(), merged_full[:m].copy(), of_real
+
+
+@numba.njit(**_JIT)
+def covered_rows_and_columns(q, kv, of_real, shift, num_merged_tiles):
+    """bool [merged tiles * factor] twice: which of each merged tile's ``factor`` real rows (q), and
+    which of its real columns (kv), hold a real tile (row-major: merged tile t, position j at
+    t * factor + j)."""
+    factor = 1 << shift
+    rows = np.zeros(num_merged_tiles * factor, dtype=np.bool_)
+    columns = np.zeros(num_merged_tiles * factor, dtype=np.bool_)
+    for i in range(q.size):
+        at = of_real[i] << shift
+        rows[at | (q[i] & (factor - 1))] = True
+        columns[at | (kv[i] & (factor - 1))] = True
+    return rows, columns
+
+
+@numba.njit(**_JIT)
+def remote_tokens(blocks, home, rank, block_len, world_size):
+    """The tokens of the distinct (rank, block) pairs of the tiles whose block (``blocks``: each tile's
+    q- or kv-block) is homed away from the tile's rank: what the receive-once rule moves."""
+    num_blocks = home.size
+    held = np.zeros(world_size * num_blocks, dtype=np.bool_)
+    tokens = 0
+    for i in range(blocks.size):
+        b, r = blocks[i], rank[i]
+        if home[b] != r and not held[r * num_blocks + b]:
+            held[r * num_blocks + b] = True
+            tokens += block_len[b]
+    return tokens
