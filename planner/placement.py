@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .tile_loops import renumber_stages
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -50,10 +52,10 @@ def compact_stages(stage: np.ndarray) -> tuple[np.ndarray, int]:
     stage = np.asarray(stage, dtype=np.int64)
     if stage.size == 0:
         return stage, 1
-    used = np.bincount(stage) > 0
-    used[0] = False
-    remap = np.cumsum(used)  # stage 0 -> 0, the k-th used stage >= 1 -> k
-    return remap[stage], int(remap[-1]) + 1
+    if stage.min() < 0:
+        raise ValueError(f"stages must be >= 0, got {int(stage.min())}")
+    compact, num_stages = renumber_stages(stage)
+    return compact, int(num_stages)
 
 
 def first_occurrence(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:

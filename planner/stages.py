@@ -24,8 +24,10 @@ from functools import cached_property
 import numpy as np
 
 from .cost_model import CostModel
-from .placement import first_occurrence, prefix_sums, run_heads
+from .placement import first_occurrence, run_heads
 from .schedule import KIND_KV, KIND_Q, payload_bytes
+from .stage_cuts import stage_items
+from .tile_loops import group_by_rank, pour
 
 
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
@@ -66,67 +68,26 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
     inter = topo.node_of(home[item_block]) != topo.node_of(item_rank)
     item_time = nbytes / np.where(inter, topo.inter_bw, topo.intra_bw)
 
-    # Credit each item with the compute it unlocks (half when the tile needs two remote items).
     needs = remote_q.astype(np.int64) + remote_kv.astype(np.int64)
+    if not both_ends:
+        # each rank's items cut on their own (compiled: planner/stage_cuts.py); both_ends, all ranks' together
+        scales = np.atleast_1d(np.asarray(budget_scale, dtype=np.float64))
+        return stage_items(n, tile_idx, item_of, int(remote_q.sum()), needs, item_rank, item_time,
+                           np.ascontiguousarray(compute_time, dtype=np.float64), rank, remote, world_size,
+                           max_stages, scales)
+    if np.ndim(budget_scale):
+        raise ValueError(f"both_ends stages all ranks with one budget_scale, got {budget_scale!r}")
+
+    # Credit each item with the compute it unlocks (half when the tile needs two remote items).
     credit = np.bincount(item_of, weights=compute_time[tile_idx] / needs[tile_idx], minlength=keys.size)
     order = np.lexsort((item_block, item_kind, -credit / item_time, item_rank))
     position = np.empty(keys.size, dtype=np.int64)
     position[order] = np.arange(keys.size)
-
-    # A tile completes when its last item (highest position) has arrived.
-    done_at = _max_over_items(n, tile_idx, position[item_of], remote_q, -1)
-
-    ranks_sorted = item_rank[order]
-    starts = np.searchsorted(ranks_sorted, np.arange(world_size + 1))
-    cum_time = prefix_sums(item_time[order])
     local_compute = np.bincount(rank[~remote], weights=compute_time[~remote], minlength=world_size)
-    remote_tiles = np.flatnonzero(remote)
-    by_done = remote_tiles[np.argsort(done_at[remote_tiles], kind="stable")]
-    done_sorted = done_at[by_done]
-    cum_done = prefix_sums(compute_time[by_done])
-
-    if both_ends:
-        if np.ndim(budget_scale):
-            raise ValueError(f"both_ends stages all ranks with one budget_scale, got {budget_scale!r}")
-        item_stage = _stage_items_both_ends(order, item_rank, home[item_block], inter, item_time, item_of, tile_idx,
-                                            remote_q, compute_time, local_compute, tile_rank=rank,
-                                            world_size=world_size, max_stages=max_stages, budget_scale=budget_scale)
-        return _max_over_items(n, tile_idx, item_stage[item_of], remote_q, 0)
-    item_stage = np.zeros(keys.size, dtype=np.int64)
-    scales = np.atleast_1d(np.asarray(budget_scale, dtype=np.float64)).tolist()
-    for r in range(world_size):
-        lo, hi = int(starts[r]), int(starts[r + 1])
-        if lo == hi:
-            continue
-        # with several scales, the rank keeps the cuts of the least estimated overlapped time
-        cuts = min((_cut_items(lo, hi, local_compute[r], scale, max_stages, cum_time, done_sorted, cum_done)
-                    for scale in scales), key=lambda estimate_cuts: estimate_cuts[0])[1]
-        for begin, end, s in cuts:
-            item_stage[order[begin:end]] = s
-
+    item_stage = _stage_items_both_ends(order, item_rank, home[item_block], inter, item_time, item_of, tile_idx,
+                                        remote_q, compute_time, local_compute, tile_rank=rank,
+                                        world_size=world_size, max_stages=max_stages, budget_scale=budget_scale)
     return _max_over_items(n, tile_idx, item_stage[item_of], remote_q, 0)
-
-
-def _cut_items(lo: int, hi: int, budget: float, scale: float, max_stages: int, cum_time: np.ndarray,
-               done_sorted: np.ndarray, cum_done: np.ndarray) -> tuple[float, list]:
-    """(estimated overlapped time, [(begin, end, stage)]) of one rank's items ``order[lo:hi]`` cut
-    into stages: each group as long as the compute of the previous stage (``budget``: the local
-    compute for stage 1) times ``scale`` can hide, the last stage taking the rest."""
-    begin, s, cuts, estimate = lo, 1, [], 0.0
-    while begin < hi:
-        if s == max_stages:
-            end = hi
-        else:
-            # largest prefix whose transfer time fits the budget (at least one item)
-            end = int(np.searchsorted(cum_time, cum_time[begin] + budget * scale, side="right")) - 1
-            end = min(hi, max(end, begin + 1))
-        cuts.append((begin, end, s))
-        estimate += max(budget, cum_time[end] - cum_time[begin])
-        # compute unlocked by this stage's items hides the next stage's transfers
-        a, b = np.searchsorted(done_sorted, [begin, end])
-        budget = cum_done[b] - cum_done[a]
-        begin, s = end, s + 1
-    return estimate + budget, cuts
 
 
 def _stage_items_both_ends(order, receiver, sender, inter, item_time, item_of, tile_idx, remote_q, compute_time,
@@ -294,51 +255,33 @@ def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, mo
 
 class LocalWork:
     """Tiles that may move between stages (no transfer depends on them): ``tiles`` in the order they
-    leave (within a rank), ``total`` [P] their seconds per rank. Grouped by rank (``order``, stably, so
-    a rank keeps its tiles' order; ``rank``) with their seconds laid end to end per rank (``end``) on
-    first use only: most spreads find no exposed gap to fill, and on a one-node 128K / 8 plan that
-    grouping (a sort and a segmented cumsum) was ~10% of the planning time for nothing."""
+    leave (within a rank), ``total`` [P] their seconds per rank. Grouped by rank (``grouped``: stably,
+    so a rank keeps its tiles' order) with their seconds laid end to end per rank on first use only:
+    most spreads find no exposed gap to fill, and on a one-node 128K / 8 plan that grouping was ~10% of
+    the planning time for nothing (numpy; compiled since, planner/tile_loops.py)."""
 
     def __init__(self, tiles: np.ndarray, rank: np.ndarray, seconds: np.ndarray, world_size: int):
-        self.tiles, self._rank_of, self._seconds = tiles, rank, seconds
+        self.tiles, self._rank_of, self._seconds, self._world_size = tiles, rank, seconds, world_size
         # (bincount adds each bin's weights in input order, the grouped order's per rank: the same sums)
         self.total = np.bincount(rank[tiles], weights=seconds[tiles], minlength=world_size)
 
     @cached_property
-    def order(self) -> np.ndarray:
-        """int64 tile indices, grouped by ascending rank."""
-        return self.tiles[np.argsort(self._rank_of[self.tiles], kind="stable")]
-
-    @cached_property
-    def rank(self) -> np.ndarray:
-        """int64 the ranks of ``order``."""
-        return self._rank_of[self.order]
-
-    @cached_property
-    def end(self) -> np.ndarray:
-        """float64 each tile's end position in its rank's list (seconds)."""
-        return _grouped_cumsum(self.rank, self._seconds[self.order])
-
-
+    def grouped(self) -> tuple:
+        """(int64 tile indices grouped by ascending rank, their ranks, float64 each one's end position in
+        its rank's list in seconds)."""
+        return group_by_rank(np.ascontiguousarray(self.tiles, dtype=np.int64), self._rank_of, self._seconds,
+                             self._world_size)
 
 
 def _pour(stage: np.ndarray, local: LocalWork, gaps: np.ndarray, movable: np.ndarray, fill: np.ndarray) -> np.ndarray:
     """Move local tiles into transfer gaps: per rank, ``local``'s tiles (in the order they leave)
     fill the gaps ``gaps[r, i]`` of stages ``fill[i]`` in turn, up to ``movable[r]`` seconds in all;
     a tile goes to the gap its cumulative end position falls into (else it stays). Shared by the
-    forward and backward spreads (a local tile moves no transfer)."""
+    forward and backward spreads (a local tile moves no transfer). Compiled (planner/tile_loops.py
+    ``pour``); ``stage`` itself where no tile moves."""
     P, F = gaps.shape
-    movable = np.clip(movable, 0.0, None)
-    if local.tiles.size == 0 or F == 0 or not gaps.any() or not movable.any():
+    if local.tiles.size == 0 or F == 0 or not gaps.any() or not (movable > 0).any():
         return stage
-    r, end, total = local.rank, local.end, local.total
-    upto = np.minimum(np.cumsum(gaps, axis=1), movable[:, None])  # [P, F] work placed up to gap i
-    # the first gap i with end <= upto[r, i]: upto is non-decreasing along i, so one searchsorted over
-    # the rows laid end to end, each shifted past the previous one, finds it for every tile at once
-    shift = 2.0 * float(max(total.max(), upto.max())) + 1.0
-    flat = (upto + shift * np.arange(P)[:, None]).ravel()
-    i = np.searchsorted(flat, end + shift * r, side="left") - r * F
-    moved = i < F
-    stage = stage.copy()
-    stage[local.order[moved]] = fill[i[moved]]
-    return stage
+    order, ranks, end = local.grouped
+    return pour(stage, order, ranks, end, local.total, np.ascontiguousarray(gaps, dtype=np.float64),
+                np.asarray(movable, dtype=np.float64), np.asarray(fill, dtype=np.int64))

@@ -104,3 +104,84 @@ def remote_tokens(blocks, home, rank, block_len, world_size):
             held[r * num_blocks + b] = True
             tokens += block_len[b]
     return tokens
+
+
+@numba.njit(**_JIT)
+def renumber_stages(stage):
+    """(stages, number of stages) with the used stages >= 1 renumbered 1, 2, ... (stage 0 kept): two
+    passes, and where the stages are already compact (most plans) the second one is a copy."""
+    used = np.zeros(stage.max() + 1, dtype=np.bool_)
+    for s in stage:
+        used[s] = True
+    remap = np.empty(used.size, dtype=np.int64)
+    count = 0
+    for s in range(used.size):
+        if s > 0 and used[s]:
+            count += 1
+        remap[s] = count
+    if count == used.size - 1:
+        return stage.copy(), count + 1
+    out = np.empty(stage.size, dtype=np.int64)
+    for i in range(stage.size):
+        out[i] = remap[stage[i]]
+    return out, count + 1
+
+
+@numba.njit(**_JIT)
+def group_by_rank(tiles, rank, seconds, world_size):
+    """(tiles grouped by ascending rank, stably; their ranks; each one's end position in its rank's list,
+    in seconds): planner/stages.py ``LocalWork``. The ends are the running sum over all the grouped
+    tiles less the sum before the rank's first, as ``_grouped_cumsum`` computes them (same floats)."""
+    keys = rank[tiles]
+    start = np.zeros(world_size + 1, dtype=np.int64)
+    for k in keys:
+        start[k + 1] += 1
+    for r in range(world_size):
+        start[r + 1] += start[r]
+    order = np.empty(tiles.size, dtype=np.int64)
+    for i in range(tiles.size):
+        order[start[keys[i]]] = tiles[i]
+        start[keys[i]] += 1
+    ranks = rank[order]
+    end = np.empty(order.size)
+    cum, before = 0.0, 0.0  # running sum; at the rank's first tile, the running sum less that tile
+    for i in range(order.size):
+        value = seconds[order[i]]
+        cum += value
+        if i == 0 or ranks[i] != ranks[i - 1]:
+            before = cum - value
+        end[i] = cum - before
+    return order, ranks, end
+
+
+@numba.njit(**_JIT)
+def pour(stage, order, ranks, end, total, gaps, movable, fill):
+    """planner/stages.py ``_pour``: per rank, its local tiles (``order``, with ``ranks`` and ``end``) fill
+    the gaps ``gaps[r, i]`` of stages ``fill[i]`` in turn, up to ``movable[r]`` seconds in all; a tile
+    goes to the first gap whose cumulative room reaches its end position. ``stage`` itself where no tile
+    moves. (The rows of cumulative room are searched laid end to end, each shifted past the previous
+    one, with the same floats as the numpy form.)"""
+    P, F = gaps.shape
+    movable = np.maximum(movable, 0.0)
+    if order.size == 0 or F == 0 or not (gaps != 0).any() or not (movable != 0).any():
+        return stage
+    upto = np.empty((P, F))  # work placed up to gap i, non-decreasing along i
+    for r in range(P):
+        room = 0.0
+        for i in range(F):
+            room += gaps[r, i]
+            upto[r, i] = min(room, movable[r])
+    shift = 2.0 * max(total.max(), upto.max()) + 1.0
+    flat = np.empty(P * F)
+    for r in range(P):
+        for i in range(F):
+            flat[r * F + i] = upto[r, i] + shift * r
+    out = stage
+    for j in range(order.size):
+        r = ranks[j]
+        i = np.searchsorted(flat, end[j] + shift * r, side="left") - r * F
+        if i < F:
+            if out is stage:
+                out = stage.copy()
+            out[order[j]] = fill[i]
+    return out

@@ -1219,14 +1219,17 @@ def test_both_ends_staging_spares_a_rank_everyone_reads():
 def test_cut_items_by_hand():
     """12 items of 1 s, each unlocking 1 s of compute, 1 s of local compute, 4 stages. Scale 1 cuts
     1, 1, 1 and the last stage takes 9: 1 + 1 + 1 + 9 + 9 = 21 s. Scale 4 cuts 4 and 8: 4 + 8 + 8 = 20 s."""
-    from blockattn.planner.stages import _cut_items
+    from blockattn.planner.stage_cuts import _cut_items
 
     cum_time = np.arange(13.0)
     done_sorted, cum_done = np.arange(12), np.arange(13.0)
-    one = _cut_items(0, 12, 1.0, 1.0, 4, cum_time, done_sorted, cum_done)
-    four = _cut_items(0, 12, 1.0, 4.0, 4, cum_time, done_sorted, cum_done)
-    assert one == (21.0, [(0, 1, 1), (1, 2, 2), (2, 3, 3), (3, 12, 4)])
-    assert four == (20.0, [(0, 4, 1), (4, 12, 2)])
+    results = []
+    for scale in (1.0, 4.0):
+        cuts = np.zeros((13, 3), dtype=np.int64)
+        estimate, count = _cut_items(0, 12, 1.0, scale, 4, cum_time, done_sorted, cum_done, cuts)
+        results.append((estimate, [tuple(row) for row in cuts[:count].tolist()]))
+    assert results[0] == (21.0, [(0, 1, 1), (1, 2, 2), (2, 3, 3), (3, 12, 4)])
+    assert results[1] == (20.0, [(0, 4, 1), (4, 12, 2)])
 
 
 def test_several_budget_scales_give_each_rank_one_of_their_stagings():
@@ -1395,6 +1398,43 @@ def test_grouped_cumsum_sums_each_keys_values_up_to_each_position(keys, grouped)
     want = np.array([value[:i + 1][key[:i + 1] == key[i]].sum() for i in range(key.size)])
     got = _grouped_cumsum(key, value)
     assert got.shape == want.shape and np.allclose(got, want, rtol=0, atol=1e-12 * max(1.0, value.sum()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(ranks=st.lists(st.integers(0, 4), max_size=80), seed=st.integers(0, 2**16), num_gaps=st.integers(1, 3))
+def test_compiled_pour_is_the_numpy_rule(ranks, seed, num_gaps):
+    """planner/tile_loops.py ``group_by_rank`` and ``pour`` (the spreads' ``_pour``, compiled) against
+    their numpy forms: tiles grouped by rank stably, end positions as ``_grouped_cumsum`` gives them (the
+    same floats), and each tile in the first gap whose cumulative room (capped by the rank's movable
+    seconds) reaches its end, or left where it is, found on the same floats."""
+    from blockattn.planner.stages import _grouped_cumsum
+    from blockattn.planner.tile_loops import group_by_rank, pour
+
+    P = 5
+    rng = np.random.default_rng(seed)
+    rank = np.array(ranks, dtype=np.int64)
+    seconds = rng.random(rank.size)
+    tiles = rng.permutation(rank.size).astype(np.int64)
+    order, grouped_rank, end = group_by_rank(tiles, rank, seconds, P)
+    want_order = tiles[np.argsort(rank[tiles], kind="stable")]
+    assert np.array_equal(order, want_order) and np.array_equal(grouped_rank, rank[want_order])
+    assert np.array_equal(end, _grouped_cumsum(rank[want_order], seconds[want_order]))  # bit for bit
+    gaps = rng.random((P, num_gaps)) * (rng.random((P, num_gaps)) < 0.7)
+    movable = rng.random(P) * 3 - 0.5
+    fill = np.arange(1, num_gaps + 1, dtype=np.int64)
+    total = np.bincount(rank[tiles], weights=seconds[tiles], minlength=P)
+    stage = np.zeros(rank.size, dtype=np.int64)
+    got = pour(stage, order, grouped_rank, end, total, gaps, movable, fill)
+    # the numpy form: the rows of cumulative room laid end to end, each shifted past the one before
+    upto = np.minimum(np.cumsum(gaps, axis=1), np.clip(movable, 0.0, None)[:, None])
+    want = stage.copy()
+    if gaps.any() and (movable > 0).any() and rank.size:
+        shift = 2.0 * float(max(total.max(), upto.max())) + 1.0
+        flat = (upto + shift * np.arange(P)[:, None]).ravel()
+        i = np.searchsorted(flat, end + shift * grouped_rank, side="left") - grouped_rank * num_gaps
+        want[order[i < num_gaps]] = fill[i[i < num_gaps]]
+    assert np.array_equal(got, want)
+    assert np.array_equal(stage, np.zeros(rank.size, dtype=np.int64))  # (the input is not written)
 
 
 def test_a_forced_init_plans_no_extra_relay_aware_finalist(monkeypatch):

@@ -1,0 +1,139 @@
+"""The core of planner/stages.py ``assign_stages``, compiled (numba): each rank's items ordered by the
+compute they unlock per second of transfer, then cut into stages.
+
+Notation (planner/stages.py): P ranks, n tiles, K items (one remote input a rank receives: a Q or KV
+block); ``tile_idx`` / ``item_of``: the (tile, item) entries, a tile's Q item first, then its KV item,
+each list in ascending tile order; items sorted by (rank, kind, block), so each rank's items are one run.
+
+Why compiled: the per-rank cuts were a Python loop of searchsorted calls, and the orders around them a
+dozen numpy passes, ~0.6 ms of a ~6 ms one-node 128K / 8 plan. Same floats, in the same order (the
+credits as bincount sums them, running sums as cumsum), and the same orders (stable sorts), so the
+stages are those of the numpy form.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_JIT = dict(cache=True, nogil=True)
+
+
+@numba.njit(**_JIT)
+def _max_over_items(n, tile_idx, value, num_q_entries, fill):
+    """Per tile, the max of ``value`` over its (at most two) entries, ``fill`` for a tile with none."""
+    out = np.full(n, fill, dtype=np.int64)
+    for j in range(tile_idx.size):
+        t = tile_idx[j]
+        out[t] = value[j] if j < num_q_entries else max(out[t], value[j])
+    return out
+
+
+@numba.njit(**_JIT)
+def _counting_order(keys, num_keys):
+    """Stable argsort of ints in [0, num_keys), by counting."""
+    start = np.zeros(num_keys + 1, dtype=np.int64)
+    for k in keys:
+        start[k + 1] += 1
+    for i in range(num_keys):
+        start[i + 1] += start[i]
+    order = np.empty(keys.size, dtype=np.int64)
+    for i in range(keys.size):
+        order[start[keys[i]]] = i
+        start[keys[i]] += 1
+    return order
+
+
+@numba.njit(**_JIT)
+def _cut_items(lo, hi, budget, scale, max_stages, cum_time, done_sorted, cum_done, cuts):
+    """One rank's items ``order[lo:hi]`` cut into stages, written as (begin, end, stage) rows into
+    ``cuts``: each group as long as the compute of the previous stage (``budget``: the local compute
+    for stage 1) times ``scale`` can hide, the last stage taking the rest. Returns (estimated overlapped
+    time, number of rows)."""
+    begin, s, count, estimate = lo, 1, 0, 0.0
+    while begin < hi:
+        if s == max_stages:
+            end = hi
+        else:
+            # largest prefix whose transfer time fits the budget (at least one item)
+            end = np.searchsorted(cum_time, cum_time[begin] + budget * scale, side="right") - 1
+            end = min(hi, max(end, begin + 1))
+        cuts[count, 0], cuts[count, 1], cuts[count, 2] = begin, end, s
+        count += 1
+        estimate += max(budget, cum_time[end] - cum_time[begin])
+        # compute unlocked by this stage's items hides the next stage's transfers
+        a = np.searchsorted(done_sorted, begin)
+        b = np.searchsorted(done_sorted, end)
+        budget = cum_done[b] - cum_done[a]
+        begin, s = end, s + 1
+    return estimate + budget, count
+
+
+@numba.njit(**_JIT)
+def stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time, compute_time, rank, remote,
+                world_size, max_stages, scales):
+    """int64 [n] stage of every tile: per rank, items by decreasing credit per second of transfer (a
+    tile's compute credited to its items, half each when it needs two; ties by kind, then block), cut
+    by ``_cut_items`` under each budget scale in ``scales``, the rank keeping the cuts of the least
+    estimated time; a tile runs in the stage of its last item (0 with none)."""
+    K = item_rank.size
+    credit = np.zeros(K)
+    for j in range(tile_idx.size):
+        t = tile_idx[j]
+        credit[item_of[j]] += compute_time[t] / needs[t]
+    # items are grouped by rank and, within one, sorted by (kind, block): a stable sort of each rank's
+    # run by the ratio gives numpy's lexsort((block, kind, -credit / time, rank))
+    starts = np.searchsorted(item_rank, np.arange(world_size + 1))
+    ratio = np.empty(K)
+    for i in range(K):
+        ratio[i] = -credit[i] / item_time[i]
+    order = np.empty(K, dtype=np.int64)
+    for r in range(world_size):
+        lo, hi = starts[r], starts[r + 1]
+        order[lo:hi] = lo + np.argsort(ratio[lo:hi], kind="mergesort")
+    position = np.empty(K, dtype=np.int64)
+    for i in range(K):
+        position[order[i]] = i
+
+    # a tile completes when its last item (highest position) has arrived
+    done_at = _max_over_items(n, tile_idx, position[item_of], num_q_entries, -1)
+    cum_time = np.zeros(K + 1)
+    for i in range(K):
+        cum_time[i + 1] = cum_time[i] + item_time[order[i]]
+    local_compute = np.zeros(world_size)
+    num_remote = 0
+    for t in range(n):
+        if remote[t]:
+            num_remote += 1
+        else:
+            local_compute[rank[t]] += compute_time[t]
+    remote_tiles = np.empty(num_remote, dtype=np.int64)
+    m = 0
+    for t in range(n):
+        if remote[t]:
+            remote_tiles[m] = t
+            m += 1
+    by_done = remote_tiles[_counting_order(done_at[remote_tiles], K)]  # (stable, as numpy's stable argsort)
+    done_sorted = done_at[by_done]
+    cum_done = np.zeros(by_done.size + 1)
+    for i in range(by_done.size):
+        cum_done[i + 1] = cum_done[i] + compute_time[by_done[i]]
+
+    item_stage = np.zeros(K, dtype=np.int64)
+    cuts = np.empty((max(K, 1) + 1, 3), dtype=np.int64)
+    best_cuts = np.empty_like(cuts)
+    for r in range(world_size):
+        lo, hi = starts[r], starts[r + 1]
+        if lo == hi:
+            continue
+        best, best_count = np.inf, 0
+        for scale in scales:  # (the first of equal estimates, as min() keeps it)
+            estimate, count = _cut_items(lo, hi, local_compute[r], scale, max_stages, cum_time, done_sorted,
+                                         cum_done, cuts)
+            if estimate < best:
+                best, best_count = estimate, count
+                best_cuts[:count] = cuts[:count]
+        for c in range(best_count):
+            for i in range(best_cuts[c, 0], best_cuts[c, 1]):
+                item_stage[order[i]] = best_cuts[c, 2]
+    return _max_over_items(n, tile_idx, item_stage[item_of], num_q_entries, 0)
