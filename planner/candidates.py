@@ -90,7 +90,7 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
     def load_and_comm(stage, seconds, direction):
         """[P, S] seconds per rank and stage, [P, S + 1] transfer time per rank and exchange."""
         load = np.bincount(placement.tile_rank * S + stage, weights=seconds, minlength=world_size * S)
-        table = placement.schedule.table(direction).numpy().astype(np.int64)
+        table = placement.schedule.cost_rows(direction)  # (sums: any order)
         return load.reshape(world_size, S), cost_model.stage_comm_time(
             table, row_bytes(table, tiles.block_lengths(), **sizes), world_size, S)
 

@@ -100,7 +100,7 @@ class Finisher:
     def _comm(self, sched, directions) -> dict:
         comm = {}
         for direction in directions:
-            table = sched.table(direction).numpy().astype(np.int64)
+            table = sched.cost_rows(direction)
             comm[direction] = self.cost_model.stage_comm_time(table, row_bytes(table, self.block_len, **self.sizes),
                                                               self.P, sched.num_stages)
         return comm
@@ -222,7 +222,7 @@ class Finisher:
                         # same rows (local tiles move none; the backward classes of remote tiles keep
                         # their stages), one more stage: no need to derive the schedule again
                         stage_bwd, groups = self._plain_backward(num_stages)
-                        sched = replace(sched, num_stages=num_stages)
+                        sched = sched.with_num_stages(num_stages)
                         comm = self._comm(sched, directions)
                     else:  # a DKV reduce tree may find room in the new stage
                         stage_bwd, sched, comm, groups = schedule_and_comm(num_stages)

@@ -453,7 +453,7 @@ def staged_comm(tiles, placement: Placement, stage: np.ndarray, stage_bwd: np.nd
                             kv_relay=placement.kv_relay, tile_stage_bwd=stage_bwd)
     block_len, comm = tiles.block_lengths(), {}
     for direction in ("fwd", "bwd"):
-        table = sched.table(direction).numpy().astype(np.int64)
+        table = sched.cost_rows(direction)  # (sums: any order)
         comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), world_size, S)
     return sched, comm
 

@@ -36,8 +36,6 @@ Rules (the executor and ``Plan.stats()`` both follow exactly these rows):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -82,26 +80,53 @@ def row_bytes(rows: np.ndarray, block_len: np.ndarray, **sizes) -> np.ndarray:
     return payload_bytes(rows[:, 3], block_len[rows[:, 4]], **sizes)
 
 
-@dataclass(frozen=True, eq=False)
 class CommSchedule:
-    """Forward and backward transfer tables of a Plan (see module docstring)."""
+    """Forward and backward transfer tables of a Plan (see module docstring): ``fwd`` int32 [m_fwd, 5]
+    (kinds Q, KV, OUT) and ``bwd`` int32 [m_bwd, 5] (kinds DO, DQ, DKV), in wire order.
 
-    fwd: torch.Tensor  # int32 [m_fwd, 5], kinds Q, KV, OUT
-    bwd: torch.Tensor  # int32 [m_bwd, 5], kinds DO, DQ, DKV
-    num_stages: int
-    world_size: int
+    A schedule made ``from_rows`` sorts its rows into wire order on first use of a table: dcp scores
+    its candidates by sums over their rows (``cost_rows``, any order) and keeps one, so most of the
+    schedules it derives are never sorted."""
+
+    def __init__(self, fwd: torch.Tensor, bwd: torch.Tensor, num_stages: int, world_size: int):
+        self._tables = {"fwd": fwd, "bwd": bwd}
+        self._unsorted = None  # {"fwd", "bwd"}: int64 [m, 5] rows in any order, until sorted
+        self.num_stages, self.world_size = int(num_stages), int(world_size)
 
     @classmethod
     def from_rows(cls, fwd: np.ndarray, bwd: np.ndarray, *, num_stages: int, world_size: int) -> "CommSchedule":
-        """A schedule of ``[m, 5]`` row arrays in any order (sorted here into wire order)."""
-        return cls(fwd=_sorted_table([fwd]), bwd=_sorted_table([bwd]), num_stages=int(num_stages),
-                   world_size=int(world_size))
+        """A schedule of int64 ``[m, 5]`` row arrays in any order (sorted into wire order on first use)."""
+        sched = cls(None, None, num_stages, world_size)
+        sched._tables, sched._unsorted = {}, {"fwd": fwd, "bwd": bwd}
+        return sched
+
+    @property
+    def fwd(self) -> torch.Tensor:
+        return self.table("fwd")
+
+    @property
+    def bwd(self) -> torch.Tensor:
+        return self.table("bwd")
 
     def table(self, direction: str) -> torch.Tensor:
         """The ``"fwd"`` or ``"bwd"`` table."""
         if direction not in ("fwd", "bwd"):
             raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
-        return self.fwd if direction == "fwd" else self.bwd
+        if direction not in self._tables:
+            self._tables[direction] = _sorted_table([self._unsorted[direction]])
+        return self._tables[direction]
+
+    def cost_rows(self, direction: str) -> np.ndarray:
+        """int64 ``[m, 5]``: the rows of one table in any order, for sums over them (bytes, times)."""
+        if self._unsorted is not None:
+            return self._unsorted[direction]
+        return self.table(direction).numpy().astype(np.int64)
+
+    def with_num_stages(self, num_stages: int) -> "CommSchedule":
+        """The same rows in a schedule of ``num_stages`` stages (one stage more that carries no row)."""
+        sched = CommSchedule(None, None, num_stages, self.world_size)
+        sched._tables, sched._unsorted = dict(self._tables), self._unsorted
+        return sched
 
     def rows(self, direction: str, *, stage=None, src=None, dst=None, kind=None) -> torch.Tensor:
         """Rows of one table filtered by any of stage / src / dst / kind (wire order kept)."""
