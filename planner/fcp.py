@@ -32,13 +32,13 @@ Notation (docs/design.md): nB blocks, P ranks, tile (qb, kb); M = mean per-rank 
 
 from __future__ import annotations
 
-import heapq
 import math
 import weakref
 
 import numpy as np
 
 from .cost_model import CostModel
+from .fcp_pack import cut_pieces, pack_pieces
 from .placement import Placement, compact_stages, prefix_sums
 from .stages import assign_stages
 from .tiles import TileSet, boundary_crossings
@@ -170,94 +170,17 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
         for seg in np.flatnonzero((group > k_mem) | ((group >= 2) & contiguous_parts)).tolist():
             group[seg], node_cuts[seg] = _node_group(prefix, across, bounds[seg], bounds[seg + 1], int(k_mem[seg]),
                                                      int(group[seg]), mean, bin_w, cost_model, cut_links)
-    cost = prefix.tolist()
     heaviest = piece_share * mean * bin_w  # (inf by default: plain pieces cut by size alone)
-    heap = []
-    for seg, (a, b, k) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), group.tolist())):
-        if seg in node_cuts:  # contiguous parts: each node reads only the KV before its part
-            cuts = node_cuts[seg]
-            heap.extend((-(cost[e] - cost[s]), s, e, seg, e, e) for s, e in zip(cuts[:-1], cuts[1:]))
-            continue
-        if bin_ranks is None and k >= 2 and b - a >= 2 * k:  # node bins: plain pieces keep windows whole
-            cuts = np.linspace(a, b, 2 * k + 1).round().astype(np.int64).tolist()
-            pairs = [(cuts[i], cuts[i + 1], cuts[2 * k - 1 - i], cuts[2 * k - i]) for i in range(k)]
-            pair_cost = [cost[e1] - cost[s1] + cost[e2] - cost[s2] for s1, e1, s2, e2 in pairs]
-            # only where pairing evens the pieces out (causal-like rows that grow along the segment)
-            if max(pair_cost) <= (1 + PAIR_SLACK) * (cost[b] - cost[a]) / k:
-                heap.extend((-c, s1, e1, seg, s2, e2) for c, (s1, e1, s2, e2) in zip(pair_cost, pairs))
-                continue
-        # node bins: a segment that fits one node stays whole (a split across nodes costs a slow link)
-        step = b - a if bin_ranks is not None and k <= 1 else piece
-        s = a
-        while s < b:
-            e = min(b, s + step)
-            if cost[e] - cost[s] > heaviest and e - s > 1:
-                # rows too heavy for one piece of ``step`` blocks (a long document's last rows, where
-                # pairing could not even them out): cut where the piece reaches its share
-                e = min(e - 1, max(s + 1, int(np.searchsorted(prefix, cost[s] + heaviest, side="right")) - 1))
-            heap.append((-(cost[e] - cost[s]), s, e, seg, e, e))
-            s = e
-    heapq.heapify(heap)
-
-    starts, ends, owners = [], [], []  # block runs and their bins, written into home once at the end
-    # Plain Python lists: the loop touches one rank per piece, and for P <= a few hundred a list
-    # min beats a numpy call. ratio = load per unit of weight, +inf once a bin is full.
-    weights = weight.tolist()
-    load = [0.0] * P
-    room = cap.tolist()
-    ratio = [0.0 if x > 0 else math.inf for x in room]
-    ranks = range(P)
-    members = {n: [x for x in ranks if node[x] == n] for n in set(node.tolist())}
-    node_of = node.tolist()
-    seg_node, seg_ranks = {}, {}
-    idle = [(x, r) for r, x in enumerate(ratio)]  # (ratio, rank) min-heap, stale entries skipped lazily
-    heapq.heapify(idle)
-    while heap:
-        neg_cost, s, e, seg, s2, e2 = heapq.heappop(heap)
-        while idle[0][0] != ratio[idle[0][1]]:
-            heapq.heappop(idle)
-        r = idle[0][1]  # least loaded (ties: lowest rank)
-        # Prefer ranks already holding this segment (their KV is local), then its node, when nearly
-        # as idle as the least loaded rank: fewer, nearer KV transfers for the same balance.
-        held = seg_ranks.get(seg)
-        if held is not None:  # (a segment's first piece has no ranks or node to prefer yet)
-            for affinity, near in ((SEGMENT_AFFINITY, held), (NODE_AFFINITY, members[seg_node[seg]])):
-                open_near = [x for x in near if room[x] > 0]
-                if open_near:
-                    r_near = min(open_near, key=ratio.__getitem__)
-                    if ratio[r_near] <= ratio[r] + affinity * mean:
-                        r = r_near
-                        break
-        if e2 > s2 and (e - s) + (e2 - s2) > room[r]:
-            # a pair that does not fit: place its two chunks independently
-            for a, b in ((s, e), (s2, e2)):
-                heapq.heappush(heap, (-(cost[b] - cost[a]), a, b, seg, b, b))
-            continue
-        take = min(e - s, room[r])
-        starts.append(s)
-        ends.append(s + take)
-        owners.append(r)
-        if e2 > s2:
-            starts.append(s2)
-            ends.append(e2)
-            owners.append(r)
-        room[r] -= take + (e2 - s2)
-        load[r] += cost[s + take] - cost[s] + cost[e2] - cost[s2]
-        ratio[r] = load[r] / weights[r] if room[r] > 0 else math.inf
-        if r == idle[0][1]:  # (the usual case) its entry is the top: replace it rather than leave it stale
-            heapq.heapreplace(idle, (ratio[r], r))
-        else:
-            heapq.heappush(idle, (ratio[r], r))
-        if held is None:
-            seg_node[seg] = node_of[r]
-            seg_ranks[seg] = [r]
-        else:
-            held.append(r)
-        if s + take < e:
-            heapq.heappush(heap, (-(cost[e] - cost[s + take]), s + take, e, seg, e, e))
-    start, end, owner = (np.array(x, dtype=np.int64) for x in (starts, ends, owners))
-    order = np.argsort(start, kind="stable")  # the runs partition [0, nB)
-    return np.repeat(owner[order], (end - start)[order])
+    skip = np.zeros(bounds.size - 1, dtype=bool)
+    skip[list(node_cuts)] = True
+    pieces = list(cut_pieces(bounds, group, prefix, bin_ranks is not None, piece, float(heaviest), PAIR_SLACK, skip))
+    if node_cuts:  # contiguous parts: each node reads only the KV before its part
+        cut_at = [(seg, s, e) for seg, cuts in node_cuts.items() for s, e in zip(cuts[:-1], cuts[1:])]
+        seg_, s_, e_ = (np.array(x, dtype=np.int64) for x in zip(*cut_at))
+        extra = (-(prefix[e_] - prefix[s_]), s_, e_, seg_, e_, e_)
+        pieces = [np.concatenate((mine, more)) for mine, more in zip(pieces, extra)]
+    return pack_pieces(*pieces, prefix, weight, cap.astype(np.int64), np.asarray(node, dtype=np.int64),
+                       bounds.size - 1, nB, float(mean), SEGMENT_AFFINITY, NODE_AFFINITY)
 
 
 def _node_group(prefix: np.ndarray, across: np.ndarray, a: int, b: int, k_min: int, k_max: int, mean: float,
