@@ -49,21 +49,14 @@ class BalancerState(NamedTuple):
 
 
 class MoveRule(NamedTuple):
-    """The Balancer's settings and limits (planner/balance.py)."""
+    """The Balancer's settings a move reads (planner/balance.py)."""
 
     multi_node: bool
     relay_aware: bool
     spread_sends: bool
     duplex: bool
     overlap: float
-    level_nodes: bool
-    slack: float  # donors shed down to the mean times 1 + slack (the cap)
-    max_rounds: int
-    max_targets: int  # targets tried per donor and round
-    max_failed_homes: int  # kv-homes tried in a row without a move before a donor gives up on rows
     max_move_tiles: int  # longest prefix evaluated per move
-    mean_tile: float  # a tile's mean compute (sizes the rectangles)
-    row_over_column: float  # (Q + OUT) / KV bytes of a block: the rectangles' shape
 
 
 @numba.njit(**_JIT)
@@ -100,14 +93,15 @@ def _pairwise(a):
     """numpy's pairwise summation of ``a`` (numpy/_core/src/umath/loops_utils.h.src): runs of more than
     128 values split in two halves (the first a multiple of 8 long), summed separately and added. With
     an explicit stack: numba's cache does not load recursive functions back."""
+    zero = np.int64(0)  # (one specialization of the leaf: its start is always a variable int64)
     if a.size <= 128:
-        return _pairwise_leaf(a, 0, a.size)
+        return _pairwise_leaf(a, zero, a.size)
     seg_lo = np.empty(128, dtype=np.int64)
     seg_n = np.empty(128, dtype=np.int64)
     combine = np.empty(128, dtype=np.bool_)  # the entry adds the two sums on top of ``sums``
     sums = np.empty(128)
     top, depth = 0, 0
-    seg_lo[0], seg_n[0], combine[0] = 0, a.size, False
+    seg_lo[0], seg_n[0], combine[0] = zero, a.size, False
     while top >= 0:
         lo, n, add = seg_lo[top], seg_n[top], combine[top]
         top -= 1
@@ -354,161 +348,3 @@ def count_start(state, rule):
             add_kv(state, rule, d, kb)
         if state.home[qb] != d:
             add_q_out(state, d, qb)
-
-
-@numba.njit(**_JIT)
-def _stable_order(keys):
-    """Stable argsort (ties keep their positions' order), as numpy's ``kind="stable"``: for a few keys."""
-    return np.argsort(keys, kind="mergesort")
-
-
-@numba.njit(**_JIT)
-def _counting_order(keys, num_keys):
-    """Stable argsort of ints in [0, num_keys): a counting sort, O(n + num_keys) (a merge sort of the
-    tiles was 3-8x slower than numpy's)."""
-    start = np.zeros(num_keys + 1, dtype=np.int64)
-    for k in keys:
-        start[k + 1] += 1
-    for i in range(num_keys):
-        start[i + 1] += start[i]
-    order = np.empty(keys.size, dtype=np.int64)
-    for i in range(keys.size):
-        order[start[keys[i]]] = i
-        start[keys[i]] += 1
-    return order
-
-
-@numba.njit(**_JIT)
-def _target_order(state, rule, ranks, r):
-    """The first ``max_targets`` of ``ranks``: same node as r first, then least loaded (ties: as listed)."""
-    by_load = ranks[_stable_order(state.C[ranks])]
-    out = np.empty(by_load.size, dtype=np.int64)
-    n = 0
-    for remote in (False, True):
-        for i in range(by_load.size):
-            if (state.node[by_load[i]] != state.node[r]) == remote:
-                out[n] = by_load[i]
-                n += 1
-    return out[: min(n, rule.max_targets)]
-
-
-@numba.njit(**_JIT)
-def _on_rank(state, tiles, r):
-    """The tiles of ``tiles`` still on rank r, in order."""
-    keep = np.empty(tiles.size, dtype=np.bool_)
-    for i in range(tiles.size):
-        keep[i] = state.rank[tiles[i]] == r
-    return tiles[keep]
-
-
-@numba.njit(**_JIT)
-def _shed_rows(state, rule, r, mine, mean, cap, only_node):
-    """Rows of r's tiles ``mine`` to kv-homes under the mean (only Q + OUT move), largest rows first."""
-    nB = state.home.size
-    row_c = np.zeros(nB)
-    row_of = np.full(nB, -1)  # the rows of ``mine``, numbered in ascending q (``mine`` is in (q, kv) order)
-    rows = np.empty(mine.size, dtype=np.int64)
-    num_rows = 0
-    for tile in mine:  # (in order: bincount's sums)
-        qb = state.q[tile]
-        row_c[qb] += state.c[tile]
-        if row_of[qb] < 0:
-            row_of[qb] = num_rows
-            rows[num_rows] = qb
-            num_rows += 1
-    # rows by decreasing compute, ties: lower q (stable over ascending q)
-    row_rank = np.empty(num_rows, dtype=np.int64)
-    row_rank[_stable_order(-row_c[rows[:num_rows]])] = np.arange(num_rows)
-    # a stable sort by the row's rank keeps each row's tiles in kv order
-    rows_all = mine[_counting_order(row_rank[row_of[state.q[mine]]], num_rows)]
-    kv_home_rows = state.home[state.kv[rows_all]]
-    reads = np.zeros(state.C.size, dtype=np.bool_)
-    reads[kv_home_rows] = True
-    homes = np.flatnonzero(reads)
-    ok = np.empty(homes.size, dtype=np.bool_)
-    for i in range(homes.size):
-        h = homes[i]
-        ok[i] = h != r and state.C[h] < mean and (only_node < 0 or state.node[h] == only_node)
-    failed = 0
-    for t in _target_order(state, rule, homes[ok], r):
-        if state.C[r] <= cap or failed >= rule.max_failed_homes:
-            return
-        rows = _on_rank(state, rows_all[kv_home_rows == t], r)
-        failed = 0 if try_move(state, rule, rows, r, t, mean, cap) else failed + 1
-
-
-@numba.njit(**_JIT)
-def _shed_rectangles(state, rule, r, mine, mean, cap, only_node):
-    """Rectangles of r's tiles ``mine`` to the least loaded ranks, same node first. A failed move means
-    more loaded targets of the same class (same node / other node) would fail too - except on one node,
-    where a target may fail for its own transfers (e.g. it homes blocks many ranks read): a more loaded
-    one with less transfer time than every failed one is still tried."""
-    under = np.flatnonzero(state.C < mean)
-    if only_node >= 0:
-        under = under[state.node[under] == only_node]
-    targets = _target_order(state, rule, under, r)
-    if targets.size == 0 or mine.size == 0:
-        return
-    n = max(1.0, (state.C[r] - mean) / targets.size / rule.mean_tile)
-    width = int(max(1.0, np.rint(np.sqrt(n * rule.row_over_column))))  # (rint: Python's round, half to even)
-    # tiles by (kv // width, q, kv): ``mine`` is in (q, kv) order, so a stable sort by kv // width does it
-    rect = mine[_counting_order(state.kv[mine] // width, state.home.size // width + 1)]
-    failed = np.full(2, np.inf)  # per class (same node, other node): the least transfer time of a failed target
-    for t in targets:
-        if state.C[r] <= cap:
-            return
-        remote = 1 if state.node[t] != state.node[r] else 0
-        if state.C[t] >= cap:
-            continue
-        if failed[remote] < np.inf and (rule.multi_node or comm_time(state, rule, t) >= failed[remote]):
-            continue
-        rect = _on_rank(state, rect, r)
-        if not try_move(state, rule, rect, r, t, mean, cap):
-            failed[remote] = min(failed[remote], comm_time(state, rule, t))
-
-
-@numba.njit(**_JIT)
-def _shed(state, rule, r, initial, mean, cap, only_node):
-    """One donor's turn: rows, then rectangles, of its ``initial`` tiles it still holds."""
-    mine = _on_rank(state, initial, r)
-    _shed_rows(state, rule, r, mine, mean, cap, only_node)
-    _shed_rectangles(state, rule, r, _on_rank(state, mine, r), mean, cap, only_node)
-
-
-@numba.njit(**_JIT)
-def run_rounds(state, rule, mean, cap):
-    """Balancer.run's rounds: the donors over the cap, most loaded first, shed to targets under the mean,
-    for up to ``max_rounds`` rounds while some donor makes progress; then, with ``level_nodes``, each node
-    whose mean is still over the mean levels its own ranks to its own mean. A donor's candidates are its
-    initial tiles (targets are filled to about the cap, so the tiles a rank received are never worth
-    passing on again)."""
-    P = state.C.size
-    by_rank = _counting_order(state.rank, P)
-    bounds = np.searchsorted(state.rank[by_rank], np.arange(P + 1))
-    stuck = np.zeros(P, dtype=np.bool_)  # donors that found no move in a round stay put
-    for _ in range(rule.max_rounds):
-        progress = False
-        for r in _stable_order(-state.C):
-            if state.C[r] <= cap:
-                break
-            if stuck[r] or not (state.C < mean).any():
-                continue
-            load_before = state.C[r]
-            _shed(state, rule, r, by_rank[bounds[r]:bounds[r + 1]], mean, cap, -1)
-            stuck[r] = state.C[r] >= load_before
-            progress |= not stuck[r]
-        if not progress:
-            break
-    if not rule.level_nodes:
-        return
-    # (shedding more of such a node's work would cost more NIC time than it saves)
-    for n in range(state.node_start.size):
-        ranks = np.arange(state.node_start[n], state.node_start[n] + state.node_size[n])
-        node_mean = _numpy_sum(state.C[ranks]) / ranks.size
-        if node_mean <= mean:
-            continue
-        node_cap = node_mean * (1 + rule.slack)
-        for r in ranks[_stable_order(-state.C[ranks])]:
-            if state.C[r] <= node_cap:
-                break
-            _shed(state, rule, r, by_rank[bounds[r]:bounds[r + 1]], node_mean, node_cap, n)

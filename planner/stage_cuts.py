@@ -30,21 +30,6 @@ def _max_over_items(n, tile_idx, value, num_q_entries, fill):
 
 
 @numba.njit(**_JIT)
-def _counting_order(keys, num_keys):
-    """Stable argsort of ints in [0, num_keys), by counting."""
-    start = np.zeros(num_keys + 1, dtype=np.int64)
-    for k in keys:
-        start[k + 1] += 1
-    for i in range(num_keys):
-        start[i + 1] += start[i]
-    order = np.empty(keys.size, dtype=np.int64)
-    for i in range(keys.size):
-        order[start[keys[i]]] = i
-        start[keys[i]] += 1
-    return order
-
-
-@numba.njit(**_JIT)
 def _cut_items(lo, hi, budget, scale, max_stages, cum_time, done_sorted, cum_done, cuts):
     """One rank's items ``order[lo:hi]`` cut into stages, written as (begin, end, stage) rows into
     ``cuts``: each group as long as the compute of the previous stage (``budget``: the local compute
@@ -70,33 +55,75 @@ def _cut_items(lo, hi, budget, scale, max_stages, cum_time, done_sorted, cum_don
 
 
 @numba.njit(**_JIT)
+def _stable_argsort(keys, lo, hi, out):
+    """out[lo:hi] = lo + the stable argsort of keys[lo:hi] (a bottom-up merge sort; explicit loops keep
+    numba's compile short: its own argsort and array assignments cost seconds to compile)."""
+    n = hi - lo
+    a = np.empty(n, dtype=np.int64)
+    b = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        a[i] = lo + i
+    width = 1
+    while width < n:
+        for left in range(0, n, 2 * width):
+            mid, right = min(left + width, n), min(left + 2 * width, n)
+            i, j, k = left, mid, left
+            while i < mid and j < right:
+                if keys[a[j]] < keys[a[i]]:  # (ties: the left run's first)
+                    b[k] = a[j]
+                    j += 1
+                else:
+                    b[k] = a[i]
+                    i += 1
+                k += 1
+            while i < mid:
+                b[k] = a[i]
+                i += 1
+                k += 1
+            while j < right:
+                b[k] = a[j]
+                j += 1
+                k += 1
+        a, b = b, a
+        width *= 2
+    for i in range(n):
+        out[lo + i] = a[i]
+
+
+@numba.njit(**_JIT)
 def stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time, compute_time, rank, remote,
                 world_size, max_stages, scales):
     """int64 [n] stage of every tile: per rank, items by decreasing credit per second of transfer (a
     tile's compute credited to its items, half each when it needs two; ties by kind, then block), cut
     by ``_cut_items`` under each budget scale in ``scales``, the rank keeping the cuts of the least
     estimated time; a tile runs in the stage of its last item (0 with none)."""
-    K = item_rank.size
+    K, E = item_rank.size, tile_idx.size
     credit = np.zeros(K)
-    for j in range(tile_idx.size):
+    for j in range(E):
         t = tile_idx[j]
         credit[item_of[j]] += compute_time[t] / needs[t]
     # items are grouped by rank and, within one, sorted by (kind, block): a stable sort of each rank's
     # run by the ratio gives numpy's lexsort((block, kind, -credit / time, rank))
-    starts = np.searchsorted(item_rank, np.arange(world_size + 1))
+    starts = np.zeros(world_size + 1, dtype=np.int64)
+    for i in range(K):
+        starts[item_rank[i] + 1] += 1
+    for r in range(world_size):
+        starts[r + 1] += starts[r]
     ratio = np.empty(K)
     for i in range(K):
         ratio[i] = -credit[i] / item_time[i]
     order = np.empty(K, dtype=np.int64)
     for r in range(world_size):
-        lo, hi = starts[r], starts[r + 1]
-        order[lo:hi] = lo + np.argsort(ratio[lo:hi], kind="mergesort")
+        _stable_argsort(ratio, starts[r], starts[r + 1], order)
     position = np.empty(K, dtype=np.int64)
     for i in range(K):
         position[order[i]] = i
 
     # a tile completes when its last item (highest position) has arrived
-    done_at = _max_over_items(n, tile_idx, position[item_of], num_q_entries, -1)
+    entry_value = np.empty(E, dtype=np.int64)
+    for j in range(E):
+        entry_value[j] = position[item_of[j]]
+    done_at = _max_over_items(n, tile_idx, entry_value, num_q_entries, -1)
     cum_time = np.zeros(K + 1)
     for i in range(K):
         cum_time[i + 1] = cum_time[i] + item_time[order[i]]
@@ -107,21 +134,27 @@ def stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time
             num_remote += 1
         else:
             local_compute[rank[t]] += compute_time[t]
-    remote_tiles = np.empty(num_remote, dtype=np.int64)
-    m = 0
+    # remote tiles by the position they complete at (stable: a counting sort)
+    first = np.zeros(K + 1, dtype=np.int64)
     for t in range(n):
         if remote[t]:
-            remote_tiles[m] = t
-            m += 1
-    by_done = remote_tiles[_counting_order(done_at[remote_tiles], K)]  # (stable, as numpy's stable argsort)
-    done_sorted = done_at[by_done]
-    cum_done = np.zeros(by_done.size + 1)
-    for i in range(by_done.size):
+            first[done_at[t] + 1] += 1
+    for i in range(K):
+        first[i + 1] += first[i]
+    by_done = np.empty(num_remote, dtype=np.int64)
+    for t in range(n):
+        if remote[t]:
+            by_done[first[done_at[t]]] = t
+            first[done_at[t]] += 1
+    done_sorted = np.empty(num_remote, dtype=np.int64)
+    cum_done = np.zeros(num_remote + 1)
+    for i in range(num_remote):
+        done_sorted[i] = done_at[by_done[i]]
         cum_done[i + 1] = cum_done[i] + compute_time[by_done[i]]
 
     item_stage = np.zeros(K, dtype=np.int64)
-    cuts = np.empty((max(K, 1) + 1, 3), dtype=np.int64)
-    best_cuts = np.empty_like(cuts)
+    cuts = np.empty((K + 1, 3), dtype=np.int64)
+    best_cuts = np.empty((K + 1, 3), dtype=np.int64)
     for r in range(world_size):
         lo, hi = starts[r], starts[r + 1]
         if lo == hi:
@@ -132,8 +165,12 @@ def stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time
                                          cum_done, cuts)
             if estimate < best:
                 best, best_count = estimate, count
-                best_cuts[:count] = cuts[:count]
+                for c in range(count):
+                    for x in range(3):
+                        best_cuts[c, x] = cuts[c, x]
         for c in range(best_count):
             for i in range(best_cuts[c, 0], best_cuts[c, 1]):
                 item_stage[order[i]] = best_cuts[c, 2]
-    return _max_over_items(n, tile_idx, item_stage[item_of], num_q_entries, 0)
+    for j in range(E):
+        entry_value[j] = item_stage[item_of[j]]
+    return _max_over_items(n, tile_idx, entry_value, num_q_entries, 0)
