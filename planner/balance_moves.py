@@ -225,12 +225,17 @@ def best_prefix(state, rule, cand, r, t, mean, cap):
     amount = min(C[r] - mean, cap - C[t])
     if cand.size == 0 or amount <= 0:
         return 0
-    cum_c = np.cumsum(state.c[cand])
-    k_max = np.searchsorted(cum_c, amount, side="right")
-    if k_max < cand.size:
-        k_max += 1  # allow the tile that crosses the amount; the objective decides
-    k_max = min(k_max, rule.max_move_tiles)
-    cum_c = cum_c[:k_max]
+    # the prefix up to the tile that crosses the amount (the objective decides), running sums as cumsum's
+    # (explicit loops: numba's cumsum and searchsorted cost a second of compile here)
+    limit_tiles = min(cand.size, rule.max_move_tiles)
+    cum_c = np.empty(limit_tiles)
+    k_max, total = 0, 0.0
+    while k_max < limit_tiles:
+        total += state.c[cand[k_max]]
+        cum_c[k_max] = total
+        k_max += 1
+        if total > amount:
+            break
     comm_r, comm_t = move_comm(state, rule, cand[:k_max], r, t)
     comm_r_now, comm_t_now = comm_time(state, rule, r), comm_time(state, rule, t)
     limit = max(cap, C[t], comm_t_now)

@@ -112,7 +112,10 @@ def cut_pieces(bounds, group, cost, node_bins, piece, heaviest, pair_slack, skip
     segment of group <= 1 on node bins: whole), each cut short where its compute would pass
     ``heaviest``."""
     n_seg = bounds.size - 1
-    neg, s_out, e_out, seg_out, s2_out, e2_out = [0.0], [0], [0], [0], [0], [0]  # (typed; the firsts dropped)
+    cap = bounds[-1] + 1  # pieces partition the blocks, each at least one block long
+    neg = np.empty(cap)
+    out = np.empty((5, cap), dtype=np.int64)  # s, e, segment, s2, e2
+    m = 0
     for seg in range(n_seg):
         if skip[seg]:
             continue
@@ -131,12 +134,9 @@ def cut_pieces(bounds, group, cost, node_bins, piece, heaviest, pair_slack, skip
             if heaviest_pair <= (1 + pair_slack) * (cost[b] - cost[a]) / k:
                 for i in range(k):
                     s1, e1, s2, e2 = cuts[i], cuts[i + 1], cuts[2 * k - 1 - i], cuts[2 * k - i]
-                    neg.append(-(cost[e1] - cost[s1] + cost[e2] - cost[s2]))
-                    s_out.append(s1)
-                    e_out.append(e1)
-                    seg_out.append(seg)
-                    s2_out.append(s2)
-                    e2_out.append(e2)
+                    neg[m] = -(cost[e1] - cost[s1] + cost[e2] - cost[s2])
+                    out[0, m], out[1, m], out[2, m], out[3, m], out[4, m] = s1, e1, seg, s2, e2
+                    m += 1
                 continue
         # node bins: a segment that fits one node stays whole (a split across nodes costs a slow link)
         step_blocks = b - a if node_bins and k <= 1 else piece
@@ -147,12 +147,8 @@ def cut_pieces(bounds, group, cost, node_bins, piece, heaviest, pair_slack, skip
                 # rows too heavy for one piece (a long document's last rows, where pairing could not
                 # even them out): cut where the piece reaches its share
                 e = min(e - 1, max(s + 1, np.searchsorted(cost, cost[s] + heaviest, side="right") - 1))
-            neg.append(-(cost[e] - cost[s]))
-            s_out.append(s)
-            e_out.append(e)
-            seg_out.append(seg)
-            s2_out.append(e)
-            e2_out.append(e)
+            neg[m] = -(cost[e] - cost[s])
+            out[0, m], out[1, m], out[2, m], out[3, m], out[4, m] = s, e, seg, e, e
+            m += 1
             s = e
-    return (np.array(neg[1:]), np.array(s_out[1:]), np.array(e_out[1:]), np.array(seg_out[1:]),
-            np.array(s2_out[1:]), np.array(e2_out[1:]))
+    return neg[:m].copy(), out[0, :m].copy(), out[1, :m].copy(), out[2, :m].copy(), out[3, :m].copy(), out[4, :m].copy()
