@@ -19,8 +19,8 @@ max(time(r), time(t)) is taken (never more than brings r to the mean or t to the
 Targets are tried same node first, then least loaded; transfers across nodes only win when the
 work they carry outweighs the slower link, so placement stays inside nodes where it can.
 
-The driver (donors, targets, candidate orders) is here, in numpy; a move's arithmetic (the cost of every
-prefix, the choice of one, the bookkeeping it updates) is compiled, in planner/balance_moves.py.
+The rounds of moves (donors, targets, candidate orders) and each move's arithmetic (the cost of every
+prefix, the choice of one, the bookkeeping it updates) are compiled, in planner/balance_moves.py.
 
 ``start`` (default: every tile on its q-block's home) gives another starting assignment, e.g.
 ``pushed_rows``: the bookkeeping counts its Q, OUT and KV transfers the same receive-once way.
@@ -66,7 +66,6 @@ import numpy as np
 
 from . import balance_moves as moves
 from .balance_moves import BalancerState, MoveRule
-from .placement import argsort_small_ints
 from .schedule import KIND_KV, KIND_OUT, KIND_Q, payload_bytes
 from .tiles import TileSet
 
@@ -95,7 +94,6 @@ class Balancer:
         self.overlap = float(overlap)
         self.duplex = bool(duplex)
         self.level_nodes = bool(level_nodes) and self.multi_node
-        self._only_node = None  # (``_level_nodes``: targets on this node only)
         lens = tiles.block_lengths()
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                      grad_element_size=grad_element_size)
@@ -129,7 +127,10 @@ class Balancer:
             recv=self.recv, have_q=self.have_q, have_kv=self.have_kv, has_out=self.has_out, node_kv=self.node_kv)
         self._rule = MoveRule(multi_node=self.multi_node, relay_aware=self.relay_aware,
                               spread_sends=self.spread_sends, duplex=self.duplex, overlap=self.overlap,
-                              max_move_tiles=MAX_MOVE_TILES)
+                              level_nodes=self.level_nodes, slack=BALANCE_SLACK, max_rounds=MAX_ROUNDS,
+                              max_targets=MAX_TARGETS_PER_DONOR, max_failed_homes=MAX_FAILED_HOMES,
+                              max_move_tiles=MAX_MOVE_TILES, mean_tile=float(self._mean_tile),
+                              row_over_column=float(self._row_over_column))
         moves.count_start(self._state, self._rule)
 
     # ------------------------------------------------------------------ moves (planner/balance_moves.py)
@@ -153,114 +154,12 @@ class Balancer:
     def _apply(self, idx: np.ndarray, r: int, t: int) -> None:
         moves.apply_move(self._state, self._rule, np.ascontiguousarray(idx, dtype=np.int64), r, t)
 
-    def _target_order(self, ranks: np.ndarray, r: int) -> np.ndarray:
-        """Indices of the first MAX_TARGETS_PER_DONOR of ``ranks``: same node as r first, then least loaded."""
-        return np.lexsort((self.C[ranks], self.node[ranks] != self.node[r]))[:MAX_TARGETS_PER_DONOR]
-
     # ------------------------------------------------------------------ driver
     def run(self) -> np.ndarray:
-        """Shed load from overloaded ranks; returns the tile ranks."""
-        if _nothing_to_shed(self.C, self.cap, self.c.size):
-            return self.rank
-        # A donor's candidates are its initial tiles (targets are filled to about the cap, so the
-        # tiles a rank received are never worth passing on again).
-        by_rank = argsort_small_ints(self.rank)
-        bounds = np.searchsorted(self.rank[by_rank], np.arange(self.P + 1))
-        stuck = np.zeros(self.P, dtype=bool)  # donors that found no move in a round stay put
-        for _ in range(MAX_ROUNDS):
-            progress = False
-            for r in np.argsort(-self.C, kind="stable").tolist():
-                if self.C[r] <= self.cap:
-                    break
-                if stuck[r] or not np.any(self.C < self.mean):
-                    continue
-                load_before = self.C[r]
-                self._shed(r, by_rank[bounds[r]:bounds[r + 1]])
-                stuck[r] = self.C[r] >= load_before
-                progress |= not stuck[r]
-            if not progress:
-                break
-        if self.level_nodes:
-            self._level_nodes(by_rank, bounds)
+        """Shed load from overloaded ranks (``balance_moves.run_rounds``); returns the tile ranks."""
+        if not _nothing_to_shed(self.C, self.cap, self.c.size):
+            moves.run_rounds(self._state, self._rule, float(self.mean), float(self.cap))
         return self.rank
-
-    def _level_nodes(self, by_rank: np.ndarray, bounds: np.ndarray) -> None:
-        """``level_nodes``: inside every node whose mean compute is still over the mean (shedding more
-        of its work would cost more NIC time than it saves), shed from its ranks over the node's mean
-        to node-mates under it, as above with the node's mean and cap: the node's busiest rank then
-        carries about the node's mean, not whatever its homes left it."""
-        mean, cap = self.mean, self.cap
-        try:
-            for n in range(self.num_nodes):
-                ranks = np.arange(self.node_start[n], self.node_start[n] + self.node_size[n])
-                node_mean = float(self.C[ranks].mean())
-                if node_mean <= mean:
-                    continue
-                self.mean, self.cap, self._only_node = node_mean, node_mean * (1 + BALANCE_SLACK), n
-                for r in ranks[np.argsort(-self.C[ranks], kind="stable")].tolist():
-                    if self.C[r] <= self.cap:
-                        break
-                    self._shed(r, by_rank[bounds[r]:bounds[r + 1]])
-        finally:
-            self.mean, self.cap, self._only_node = mean, cap, None
-
-    def _shed(self, r: int, initial: np.ndarray) -> None:
-        """One donor's turn: rows, then rectangles, of its ``initial`` tiles it still holds."""
-        mine = initial[self.rank[initial] == r]
-        self._shed_rows(r, mine)
-        self._shed_rectangles(r, mine[self.rank[mine] == r])
-
-    def _shed_rows(self, r: int, mine: np.ndarray) -> None:
-        """Rows of r's tiles to kv-homes under the mean (only Q + OUT move), largest rows first."""
-        q, kv = self.t.q[mine], self.t.kv[mine]
-        kv_home = self.home[kv]
-        row_c = np.bincount(q, weights=self.c[mine], minlength=self.nB)
-        # rows by decreasing compute (ties: lower q), tiles of a row by kv: ``mine`` is in (q, kv) order,
-        # so a stable sort by the row's rank alone (a linear radix sort of small ints) gives that order
-        row_rank = np.empty(self.nB, dtype=np.int64)
-        row_rank[np.argsort(-row_c, kind="stable")] = np.arange(self.nB)
-        order = argsort_small_ints(row_rank[q])
-        mine_rows, kv_home_rows = mine[order], kv_home[order]
-        homes = np.flatnonzero(np.bincount(kv_home, minlength=self.P))
-        homes = homes[(homes != r) & (self.C[homes] < self.mean)]
-        if self._only_node is not None:
-            homes = homes[self.node[homes] == self._only_node]
-        homes = homes[self._target_order(homes, r)]
-        failed = 0
-        for t in homes.tolist():
-            if self.C[r] <= self.cap or failed >= MAX_FAILED_HOMES:
-                return
-            rows = mine_rows[kv_home_rows == t]
-            failed = 0 if self.try_move(rows[self.rank[rows] == r], r, t) else failed + 1
-
-    def _shed_rectangles(self, r: int, mine: np.ndarray) -> None:
-        """Rectangles of r's tiles to the least loaded ranks, same node first. A failed move means
-        more loaded targets of the same class (same node / other node) would fail too - except on one
-        node, where a target may fail for its own transfers (e.g. it homes blocks many ranks read): a
-        more loaded one with less transfer time than every failed one is still tried."""
-        under = np.flatnonzero(self.C < self.mean)
-        if self._only_node is not None:
-            under = under[self.node[under] == self._only_node]
-        targets = under[self._target_order(under, r)]
-        if targets.size == 0 or mine.size == 0:
-            return
-        n = max(1.0, (self.C[r] - self.mean) / targets.size / self._mean_tile)
-        width = int(max(1, round(np.sqrt(n * self._row_over_column))))
-        # tiles by (kv // width, q, kv): ``mine`` is in (q, kv) order, so a stable sort by kv // width
-        # alone (a linear radix sort of small ints) gives that order
-        rect = mine[argsort_small_ints(self.t.kv[mine] // width)]
-        failed = {}  # class -> the least transfer time of its targets that failed
-        for t in targets.tolist():
-            if self.C[r] <= self.cap:
-                return
-            remote = bool(self.node[t] != self.node[r])
-            if self.C[t] >= self.cap:
-                continue
-            if remote in failed and (self.multi_node or self.comm_time(t) >= failed[remote]):
-                continue
-            rect = rect[self.rank[rect] == r]
-            if not self.try_move(rect, r, t):
-                failed[remote] = min(failed.get(remote, np.inf), self.comm_time(t))
 
 
 def balanced_ranks(tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology,

@@ -21,6 +21,8 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
+from .sort_loops import counting_order, stable_order
+
 _JIT = dict(cache=True, nogil=True, error_model="numpy")  # (numpy: float division by zero gives inf)
 
 
@@ -49,14 +51,21 @@ class BalancerState(NamedTuple):
 
 
 class MoveRule(NamedTuple):
-    """The Balancer's settings a move reads (planner/balance.py)."""
+    """The Balancer's settings and limits (planner/balance.py)."""
 
     multi_node: bool
     relay_aware: bool
     spread_sends: bool
     duplex: bool
     overlap: float
+    level_nodes: bool
+    slack: float  # donors shed down to the mean times 1 + slack (the cap)
+    max_rounds: int
+    max_targets: int  # targets tried per donor and round
+    max_failed_homes: int  # kv-homes tried in a row without a move before a donor gives up on rows
     max_move_tiles: int  # longest prefix evaluated per move
+    mean_tile: float  # a tile's mean compute (sizes the rectangles)
+    row_over_column: float  # (Q + OUT) / KV bytes of a block: the rectangles' shape
 
 
 @numba.njit(**_JIT)
@@ -353,3 +362,196 @@ def count_start(state, rule):
             add_kv(state, rule, d, kb)
         if state.home[qb] != d:
             add_q_out(state, d, qb)
+
+
+# ---------------------------------------------------------------------- the rounds (Balancer.run)
+@numba.njit(**_JIT)
+def _target_order(state, rule, ranks, r):
+    """The first ``max_targets`` of ``ranks``: same node as r first, then least loaded (ties: as listed)."""
+    load = np.empty(ranks.size)
+    for i in range(ranks.size):
+        load[i] = state.C[ranks[i]]
+    by_load = stable_order(load)
+    out = np.empty(ranks.size, dtype=np.int64)
+    n = 0
+    for remote in range(2):
+        for i in range(ranks.size):
+            x = ranks[by_load[i]]
+            if (1 if state.node[x] != state.node[r] else 0) == remote:
+                out[n] = x
+                n += 1
+    return out[: min(n, rule.max_targets)]
+
+
+@numba.njit(**_JIT)
+def _on_rank(state, tiles, r):
+    """The tiles of ``tiles`` still on rank r, in order."""
+    out = np.empty(tiles.size, dtype=np.int64)
+    n = 0
+    for tile in tiles:
+        if state.rank[tile] == r:
+            out[n] = tile
+            n += 1
+    return out[:n]
+
+
+@numba.njit(**_JIT)
+def _ranks_under(state, mean, only_node, exclude):
+    """Ranks whose compute is under ``mean`` (but ``exclude``; on node ``only_node`` if >= 0), ascending."""
+    out = np.empty(state.C.size, dtype=np.int64)
+    n = 0
+    for x in range(state.C.size):
+        if x != exclude and state.C[x] < mean and (only_node < 0 or state.node[x] == only_node):
+            out[n] = x
+            n += 1
+    return out[:n]
+
+
+@numba.njit(**_JIT)
+def _shed_rows(state, rule, r, mine, mean, cap, only_node):
+    """Rows of r's tiles ``mine`` to kv-homes under the mean (only Q + OUT move), largest rows first."""
+    nB, P = state.home.size, state.C.size
+    row_c = np.zeros(nB)
+    row_of = np.full(nB, -1)  # the rows of ``mine``, numbered in ascending q (``mine`` is in (q, kv) order)
+    rows = np.empty(mine.size, dtype=np.int64)
+    num_rows = 0
+    reads = np.zeros(P, dtype=np.bool_)  # ranks homing a kv-block the rows read
+    for tile in mine:  # (in order: bincount's sums)
+        qb = state.q[tile]
+        row_c[qb] += state.c[tile]
+        if row_of[qb] < 0:
+            row_of[qb] = num_rows
+            rows[num_rows] = qb
+            num_rows += 1
+        reads[state.home[state.kv[tile]]] = True
+    # rows by decreasing compute, ties: lower q (a stable sort over ascending q)
+    neg_c = np.empty(num_rows)
+    for i in range(num_rows):
+        neg_c[i] = -row_c[rows[i]]
+    by_c = stable_order(neg_c)
+    row_rank = np.empty(num_rows, dtype=np.int64)
+    for i in range(num_rows):
+        row_rank[by_c[i]] = i
+    # the tiles by their row's rank (stable: a row keeps its tiles in kv order)
+    keys = np.empty(mine.size, dtype=np.int64)
+    for i in range(mine.size):
+        keys[i] = row_rank[row_of[state.q[mine[i]]]]
+    order = counting_order(keys, num_rows)
+    homes = np.empty(P, dtype=np.int64)
+    num_homes = 0
+    for x in range(P):
+        if reads[x] and x != r and state.C[x] < mean and (only_node < 0 or state.node[x] == only_node):
+            homes[num_homes] = x
+            num_homes += 1
+    failed = 0
+    rows_to = np.empty(mine.size, dtype=np.int64)
+    for t in _target_order(state, rule, homes[:num_homes], r):
+        if state.C[r] <= cap or failed >= rule.max_failed_homes:
+            return
+        n = 0
+        for i in range(mine.size):
+            tile = mine[order[i]]
+            if state.home[state.kv[tile]] == t and state.rank[tile] == r:
+                rows_to[n] = tile
+                n += 1
+        failed = 0 if try_move(state, rule, rows_to[:n], r, t, mean, cap) else failed + 1
+
+
+@numba.njit(**_JIT)
+def _shed_rectangles(state, rule, r, mine, mean, cap, only_node):
+    """Rectangles of r's tiles ``mine`` to the least loaded ranks, same node first. A failed move means
+    more loaded targets of the same class (same node / other node) would fail too - except on one node,
+    where a target may fail for its own transfers (e.g. it homes blocks many ranks read): a more loaded
+    one with less transfer time than every failed one is still tried."""
+    targets = _target_order(state, rule, _ranks_under(state, mean, only_node, -1), r)
+    if targets.size == 0 or mine.size == 0:
+        return
+    n = max(1.0, (state.C[r] - mean) / targets.size / rule.mean_tile)
+    width = int(max(1.0, np.rint(np.sqrt(n * rule.row_over_column))))  # (rint: Python's round, half to even)
+    # tiles by (kv // width, q, kv): ``mine`` is in (q, kv) order, so a stable sort by kv // width does it
+    keys = np.empty(mine.size, dtype=np.int64)
+    for i in range(mine.size):
+        keys[i] = state.kv[mine[i]] // width
+    order = counting_order(keys, state.home.size // width + 1)
+    rect = np.empty(mine.size, dtype=np.int64)
+    for i in range(mine.size):
+        rect[i] = mine[order[i]]
+    failed = np.full(2, np.inf)  # per class (same node, other node): the least transfer time of a failed target
+    for t in targets:
+        if state.C[r] <= cap:
+            return
+        remote = 1 if state.node[t] != state.node[r] else 0
+        if state.C[t] >= cap:
+            continue
+        if failed[remote] < np.inf and (rule.multi_node or comm_time(state, rule, t) >= failed[remote]):
+            continue
+        rect = _on_rank(state, rect, r)
+        if not try_move(state, rule, rect, r, t, mean, cap):
+            failed[remote] = min(failed[remote], comm_time(state, rule, t))
+
+
+@numba.njit(inline="always", **_JIT)  # (a function of its own: ~1 s more of numba's first compile)
+def _shed(state, rule, r, initial, mean, cap, only_node):
+    """One donor's turn: rows, then rectangles, of its ``initial`` tiles it still holds."""
+    mine = _on_rank(state, initial, r)
+    _shed_rows(state, rule, r, mine, mean, cap, only_node)
+    _shed_rectangles(state, rule, r, _on_rank(state, mine, r), mean, cap, only_node)
+
+
+@numba.njit(**_JIT)
+def _by_decreasing_load(state, ranks):
+    """``ranks`` by decreasing compute (ties: as listed)."""
+    neg = np.empty(ranks.size)
+    for i in range(ranks.size):
+        neg[i] = -state.C[ranks[i]]
+    order = stable_order(neg)
+    out = np.empty(ranks.size, dtype=np.int64)
+    for i in range(ranks.size):
+        out[i] = ranks[order[i]]
+    return out
+
+
+@numba.njit(**_JIT)
+def run_rounds(state, rule, mean, cap):
+    """Balancer.run's rounds: the donors over the cap, most loaded first, shed to targets under the mean,
+    for up to ``max_rounds`` rounds while some donor makes progress; then, with ``level_nodes``, each node
+    whose mean is still over the mean levels its own ranks to its own mean (shedding more of its work
+    would cost more NIC time than it saves). A donor's candidates are its initial tiles (targets are
+    filled to about the cap, so the tiles a rank received are never worth passing on again)."""
+    P = state.C.size
+    by_rank = counting_order(state.rank, P)
+    bounds = np.zeros(P + 1, dtype=np.int64)
+    for tile in range(state.rank.size):
+        bounds[state.rank[tile] + 1] += 1
+    for x in range(P):
+        bounds[x + 1] += bounds[x]
+    all_nodes = np.int64(-1)  # (one type for the node filter: -1 or a node)
+    stuck = np.zeros(P, dtype=np.bool_)  # donors that found no move in a round stay put
+    for _ in range(rule.max_rounds):
+        progress = False
+        for r in _by_decreasing_load(state, np.arange(P)):
+            if state.C[r] <= cap:
+                break
+            if stuck[r] or _ranks_under(state, mean, all_nodes, -1).size == 0:
+                continue
+            load_before = state.C[r]
+            _shed(state, rule, r, by_rank[bounds[r]:bounds[r + 1]], mean, cap, all_nodes)
+            stuck[r] = state.C[r] >= load_before
+            progress |= not stuck[r]
+        if not progress:
+            break
+    if not rule.level_nodes:
+        return
+    for n in range(state.node_start.size):
+        ranks = np.arange(state.node_start[n], state.node_start[n] + state.node_size[n])
+        node_c = np.empty(ranks.size)
+        for i in range(ranks.size):
+            node_c[i] = state.C[ranks[i]]
+        node_mean = _numpy_sum(node_c) / ranks.size
+        if node_mean <= mean:
+            continue
+        node_cap = node_mean * (1 + rule.slack)
+        for r in _by_decreasing_load(state, ranks):
+            if state.C[r] <= node_cap:
+                break
+            _shed(state, rule, r, by_rank[bounds[r]:bounds[r + 1]], node_mean, node_cap, np.int64(n))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from .sort_loops import stable_argsort
+
 _JIT = dict(cache=True, nogil=True)
 
 
@@ -55,42 +57,6 @@ def _cut_items(lo, hi, budget, scale, max_stages, cum_time, done_sorted, cum_don
 
 
 @numba.njit(**_JIT)
-def _stable_argsort(keys, lo, hi, out):
-    """out[lo:hi] = lo + the stable argsort of keys[lo:hi] (a bottom-up merge sort; explicit loops keep
-    numba's compile short: its own argsort and array assignments cost seconds to compile)."""
-    n = hi - lo
-    a = np.empty(n, dtype=np.int64)
-    b = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        a[i] = lo + i
-    width = 1
-    while width < n:
-        for left in range(0, n, 2 * width):
-            mid, right = min(left + width, n), min(left + 2 * width, n)
-            i, j, k = left, mid, left
-            while i < mid and j < right:
-                if keys[a[j]] < keys[a[i]]:  # (ties: the left run's first)
-                    b[k] = a[j]
-                    j += 1
-                else:
-                    b[k] = a[i]
-                    i += 1
-                k += 1
-            while i < mid:
-                b[k] = a[i]
-                i += 1
-                k += 1
-            while j < right:
-                b[k] = a[j]
-                j += 1
-                k += 1
-        a, b = b, a
-        width *= 2
-    for i in range(n):
-        out[lo + i] = a[i]
-
-
-@numba.njit(**_JIT)
 def stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time, compute_time, rank, remote,
                 world_size, max_stages, scales):
     """int64 [n] stage of every tile: per rank, items by decreasing credit per second of transfer (a
@@ -114,7 +80,7 @@ def stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time
         ratio[i] = -credit[i] / item_time[i]
     order = np.empty(K, dtype=np.int64)
     for r in range(world_size):
-        _stable_argsort(ratio, starts[r], starts[r + 1], order)
+        stable_argsort(ratio, starts[r], starts[r + 1], order)
     position = np.empty(K, dtype=np.int64)
     for i in range(K):
         position[order[i]] = i
