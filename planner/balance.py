@@ -36,7 +36,7 @@ home's node goes out through a node-mate's NIC, rotating with the block and the 
 an NVLink hop from the home (the home-side transit relays of planner/relay.py ``add_transit``).
 Without it, the homes of a long document that many ranks on other nodes read look NIC-bound and
 stop shedding its rows, however many idle NICs their node has. A donor still bound by its transfers
-then sheds compute where they do not grow (``_shed_behind_transfers``), since the stages overlap its
+then sheds compute where they do not grow (``balance_moves.best_prefix``), since the stages overlap its
 transfers with only part of its compute.
 
 ``overlap`` weighs that everywhere: a rank's time is estimated as max(C, X) + overlap * min(C, X) (the

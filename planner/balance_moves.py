@@ -1,4 +1,4 @@
-"""The Balancer's per-move arithmetic (planner/balance.py), compiled with numba.
+"""The Balancer's rounds of moves and each move's arithmetic (planner/balance.py), compiled with numba.
 
 Notation (docs/design.md, planner/balance.py): P ranks, nB blocks, tiles (qb, kb) with compute time
 ``c``; ``home[b]`` owns block b. Per rank r and link l (0 NVLink, 1 NIC): ``send[r, l]`` / ``recv[r, l]``
@@ -8,7 +8,9 @@ block, or -1). ``state`` bundles them with the constants (see ``BalancerState``)
 
 Why compiled: a move evaluates up to MAX_MOVE_TILES prefixes of a candidate list and then updates the
 bookkeeping, ~40 numpy calls on small arrays (~100 us a move, ~25 moves a long-tail plan at 128K / 8),
-where one loop over the candidates takes a few microseconds. The results are the same as the numpy
+where one loop over the candidates takes a few microseconds; the rounds around the moves (donors,
+targets, candidate orders) were as many numpy calls again per donor. The code is explicit loops: numba's
+own argsort, cumsum, searchsorted and array assignments take seconds each to compile. The results are the same as the numpy
 forms they replace, to the bit: byte counts are whole numbers (float sums exact in any order), and the
 compute sums keep numpy's order (``_numpy_sum``: numpy's pairwise summation, ``np.cumsum``'s running
 sum), so the plans do not change.
@@ -27,7 +29,7 @@ _JIT = dict(cache=True, nogil=True, error_model="numpy")  # (numpy: float divisi
 
 
 class BalancerState(NamedTuple):
-    """The Balancer's arrays as the compiled moves read and update them (the last seven in place)."""
+    """The Balancer's arrays as the compiled moves read and update them (the last eight in place)."""
 
     q: np.ndarray  # int64 [n] q-block of every tile
     kv: np.ndarray  # int64 [n] kv-block of every tile
@@ -161,7 +163,7 @@ def _estimate(rule, compute, comm):
 @numba.njit(**_JIT)
 def move_comm(state, rule, cand, r, t):
     """([k], [k]) comm times of donor r and target t after moving each prefix of ``cand`` (tiles on r) to
-    t: Balancer._move_comm (a prefix adds Q into t and OUT back from t per new q-block, on the q-home's
+    t (a prefix adds Q into t and OUT back from t per new q-block, on the q-home's
     link and the donor's own where it is that home; KV into t per new kv-block, with ``duplex`` also a
     send of the donor's where it is that block's home)."""
     k = cand.size
@@ -264,7 +266,7 @@ def best_prefix(state, rule, cand, r, t, mean, cap):
         return 0
     # A donor bound by its transfers still sheds compute where its transfers do not grow, the pair's
     # max(C, X) does not grow and the target stays within the cap (``obj`` is inf past it): the stages
-    # overlap its transfers with only part of its compute (Balancer._shed_behind_transfers).
+    # overlap its transfers with only part of its compute.
     best, spread_best = -1, np.inf
     for i in range(k_max):
         if comm_r[i] <= comm_r_now * (1 + 1e-9) and obj[i] <= before * (1 + 1e-9):
