@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numba
 import numpy as np
 
+from .jit import compiled
 from .sort_loops import counting_order, stable_order
 
-_JIT = dict(cache=True, nogil=True, error_model="numpy")  # (numpy: float division by zero gives inf)
 
 
 class BalancerState(NamedTuple):
@@ -70,7 +69,7 @@ class MoveRule(NamedTuple):
     row_over_column: float  # (Q + OUT) / KV bytes of a block: the rectangles' shape
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")  # (numpy: float division by zero gives inf)
 def _pairwise_leaf(a, lo, n):
     """numpy's sum of at most 128 values a[lo:lo + n]: eight running sums (fewer than 8 values: one)."""
     if n < 8:
@@ -99,7 +98,7 @@ def _pairwise_leaf(a, lo, n):
     return res
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def _pairwise(a):
     """numpy's pairwise summation of ``a`` (numpy/_core/src/umath/loops_utils.h.src): runs of more than
     128 values split in two halves (the first a multiple of 8 long), summed separately and added. With
@@ -133,13 +132,13 @@ def _pairwise(a):
     return sums[0]
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def _numpy_sum(a):
     """``a.sum()`` for a contiguous float64 array, bit for bit."""
     return 0.0 + _pairwise(a)
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def comm_time(state, rule, r):
     """Rank r's transfer seconds on its slower link: sends + receives (``duplex``: the busier)."""
     best = 0.0
@@ -152,7 +151,7 @@ def comm_time(state, rule, r):
     return best
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def _estimate(rule, compute, comm):
     """max(C, X) + overlap x min(C, X): a rank's time as the Balancer weighs it."""
     if rule.overlap == 0.0:
@@ -160,7 +159,7 @@ def _estimate(rule, compute, comm):
     return max(compute, comm) + rule.overlap * min(compute, comm)
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def move_comm(state, rule, cand, r, t):
     """([k], [k]) comm times of donor r and target t after moving each prefix of ``cand`` (tiles on r) to
     t (a prefix adds Q into t and OUT back from t per new q-block, on the q-home's
@@ -227,7 +226,7 @@ def move_comm(state, rule, cand, r, t):
     return comm_r, comm_t
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def best_prefix(state, rule, cand, r, t, mean, cap):
     """The number of leading tiles of ``cand`` (tiles on r, in preference order) that Balancer.try_move
     moves to t, 0 for none: the prefix minimizing max(time(r), time(t)), up to the tile that brings r to
@@ -276,12 +275,12 @@ def best_prefix(state, rule, cand, r, t, mean, cap):
     return best + 1 if best >= 0 and spread_best < C[r] * (1 - 1e-6) else 0
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def _add_bytes(table, rank, link, nbytes):
     table[rank, link] += nbytes
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def add_kv(state, rule, d, kb):
     """Count the KV transfer that gives rank d block kb (not held yet). With ``relay_aware`` the block
     crosses into d's node once, into a proxy rotating with the block (with ``spread_sends`` leaving
@@ -313,7 +312,7 @@ def add_kv(state, rule, d, kb):
     _add_bytes(state.recv, d, link, nbytes)
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def add_q_out(state, t, qb):
     """Count the Q block qb into rank t and its OUT partial back home, where not counted yet."""
     hq = state.home[qb]
@@ -328,7 +327,7 @@ def add_q_out(state, t, qb):
         state.has_out[t, qb] = True
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def apply_move(state, rule, tiles, r, t):
     """Move ``tiles`` from r to t: compute, ranks and the transfers they add (Balancer._apply)."""
     moved = _numpy_sum(state.c[tiles])
@@ -343,7 +342,7 @@ def apply_move(state, rule, tiles, r, t):
             add_kv(state, rule, t, kb)
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def try_move(state, rule, cand, r, t, mean, cap):
     """Balancer.try_move: move ``best_prefix`` of ``cand`` to t; True if any tile moved."""
     k = best_prefix(state, rule, cand, r, t, mean, cap)
@@ -353,7 +352,7 @@ def try_move(state, rule, cand, r, t, mean, cap):
     return True
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def count_start(state, rule):
     """The transfers of the starting assignment ``state.rank``, counted into the empty bookkeeping
     (every block held by its home only): each tile's remote KV once per rank, and each tile placed off
@@ -367,7 +366,7 @@ def count_start(state, rule):
 
 
 # ---------------------------------------------------------------------- the rounds (Balancer.run)
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def _target_order(state, rule, ranks, r):
     """The first ``max_targets`` of ``ranks``: same node as r first, then least loaded (ties: as listed)."""
     load = np.empty(ranks.size)
@@ -385,7 +384,7 @@ def _target_order(state, rule, ranks, r):
     return out[: min(n, rule.max_targets)]
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def _on_rank(state, tiles, r):
     """The tiles of ``tiles`` still on rank r, in order."""
     out = np.empty(tiles.size, dtype=np.int64)
@@ -397,7 +396,7 @@ def _on_rank(state, tiles, r):
     return out[:n]
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def _ranks_under(state, mean, only_node, exclude):
     """Ranks whose compute is under ``mean`` (but ``exclude``; on node ``only_node`` if >= 0), ascending."""
     out = np.empty(state.C.size, dtype=np.int64)
@@ -409,7 +408,7 @@ def _ranks_under(state, mean, only_node, exclude):
     return out[:n]
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def _shed_rows(state, rule, r, mine, mean, cap, only_node):
     """Rows of r's tiles ``mine`` to kv-homes under the mean (only Q + OUT move), largest rows first."""
     nB, P = state.home.size, state.C.size
@@ -459,7 +458,7 @@ def _shed_rows(state, rule, r, mine, mean, cap, only_node):
         failed = 0 if try_move(state, rule, rows_to[:n], r, t, mean, cap) else failed + 1
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def _shed_rectangles(state, rule, r, mine, mean, cap, only_node):
     """Rectangles of r's tiles ``mine`` to the least loaded ranks, same node first. A failed move means
     more loaded targets of the same class (same node / other node) would fail too - except on one node,
@@ -492,7 +491,7 @@ def _shed_rectangles(state, rule, r, mine, mean, cap, only_node):
             failed[remote] = min(failed[remote], comm_time(state, rule, t))
 
 
-@numba.njit(inline="always", **_JIT)  # (a function of its own: ~1 s more of numba's first compile)
+@compiled(inline="always", error_model="numpy")  # (a function of its own: ~1 s more of the first compile)
 def _shed(state, rule, r, initial, mean, cap, only_node):
     """One donor's turn: rows, then rectangles, of its ``initial`` tiles it still holds."""
     mine = _on_rank(state, initial, r)
@@ -500,7 +499,7 @@ def _shed(state, rule, r, initial, mean, cap, only_node):
     _shed_rectangles(state, rule, r, _on_rank(state, mine, r), mean, cap, only_node)
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def _by_decreasing_load(state, ranks):
     """``ranks`` by decreasing compute (ties: as listed)."""
     neg = np.empty(ranks.size)
@@ -513,7 +512,7 @@ def _by_decreasing_load(state, ranks):
     return out
 
 
-@numba.njit(**_JIT)
+@compiled(error_model="numpy")
 def run_rounds(state, rule, mean, cap):
     """Balancer.run's rounds: the donors over the cap, most loaded first, shed to targets under the mean,
     for up to ``max_rounds`` rounds while some donor makes progress; then, with ``level_nodes``, each node

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import heapq
 
-import numba
 import numpy as np
 
-_JIT = dict(cache=True, nogil=True)
+from .jit import compiled
 
 
-@numba.njit(**_JIT)
+
+@compiled
 def pack_pieces(neg_cost, start, end, segment, start2, end2, cost, weights, room, node, num_segments,
                 num_blocks, mean, segment_affinity, node_affinity):
     """int64 [nB] bin of every block. Pieces (``neg_cost``: minus their compute) by decreasing compute,
@@ -102,7 +102,7 @@ def pack_pieces(neg_cost, start, end, segment, start2, end2, cost, weights, room
     return home
 
 
-@numba.njit(**_JIT)
+@compiled
 def cut_pieces(bounds, group, cost, node_bins, piece, heaviest, pair_slack, skip):
     """The pieces of the segments (planner/fcp.py step 2) as arrays (minus compute, s, e, segment, s2,
     e2), but of the segments flagged in ``skip`` (cut by the caller). A segment of group k >= 2 with at

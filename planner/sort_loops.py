@@ -7,13 +7,13 @@ generic and error-reporting paths); these compile in a fraction of that, and giv
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-_JIT = dict(cache=True, nogil=True)
+from .jit import compiled
 
 
-@numba.njit(**_JIT)
+
+@compiled
 def stable_argsort(keys, lo, hi, out):
     """out[lo:hi] = lo + the stable argsort of keys[lo:hi] (a bottom-up merge sort)."""
     n = hi - lo
@@ -48,7 +48,7 @@ def stable_argsort(keys, lo, hi, out):
         out[lo + i] = a[i]
 
 
-@numba.njit(**_JIT)
+@compiled
 def stable_order(keys):
     """The stable argsort of ``keys`` (int64 positions)."""
     out = np.empty(keys.size, dtype=np.int64)
@@ -56,7 +56,7 @@ def stable_order(keys):
     return out
 
 
-@numba.njit(**_JIT)
+@compiled
 def counting_order(keys, num_keys):
     """The stable argsort of ints in [0, num_keys), by counting: O(n + num_keys)."""
     start = np.zeros(num_keys + 1, dtype=np.int64)

@@ -13,15 +13,14 @@ stages are those of the numpy form.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
+from .jit import compiled
 from .sort_loops import stable_argsort
 
-_JIT = dict(cache=True, nogil=True)
 
 
-@numba.njit(**_JIT)
+@compiled
 def _max_over_items(n, tile_idx, value, num_q_entries, fill):
     """Per tile, the max of ``value`` over its (at most two) entries, ``fill`` for a tile with none."""
     out = np.full(n, fill, dtype=np.int64)
@@ -31,7 +30,7 @@ def _max_over_items(n, tile_idx, value, num_q_entries, fill):
     return out
 
 
-@numba.njit(**_JIT)
+@compiled
 def _cut_items(lo, hi, budget, scale, max_stages, cum_time, done_sorted, cum_done, cuts):
     """One rank's items ``order[lo:hi]`` cut into stages, written as (begin, end, stage) rows into
     ``cuts``: each group as long as the compute of the previous stage (``budget``: the local compute
@@ -56,7 +55,7 @@ def _cut_items(lo, hi, budget, scale, max_stages, cum_time, done_sorted, cum_don
     return estimate + budget, count
 
 
-@numba.njit(**_JIT)
+@compiled
 def stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time, compute_time, rank, remote,
                 world_size, max_stages, scales):
     """int64 [n] stage of every tile: per rank, items by decreasing credit per second of transfer (a

@@ -13,19 +13,19 @@ two passes. The results are the same arrays (integer sums), so the plans do not 
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-_JIT = dict(cache=True, nogil=True)
+from .jit import compiled
 
 
-@numba.njit(**_JIT)
+
+@compiled
 def _merged(block, factor, shift):
     """The merged block of real ``block``: a shift where ``factor`` is a power of two (``shift`` >= 0)."""
     return block >> shift if shift >= 0 else block // factor
 
 
-@numba.njit(**_JIT)
+@compiled
 def merge_tiles(q, kv, full, pairs, factor, shift, num_blocks):
     """The tiles of blocks merged ``factor`` at a time, from (q, kv)-sorted real tiles: (merged q, merged
     kv, each merged tile's real-tile pairs summed, its count of full real tiles, each real tile's merged
@@ -76,7 +76,7 @@ def merge_tiles(q, kv, full, pairs, factor, shift, num_blocks):
     return merged_q[:m].copy(), merged_kv[:m].copy(), merged_pairs[:m].copy(), merged_full[:m].copy(), of_real
 
 
-@numba.njit(**_JIT)
+@compiled
 def covered_rows_and_columns(q, kv, of_real, shift, num_merged_tiles):
     """bool [merged tiles * factor] twice: which of each merged tile's ``factor`` real rows (q), and
     which of its real columns (kv), hold a real tile (row-major: merged tile t, position j at
@@ -91,7 +91,7 @@ def covered_rows_and_columns(q, kv, of_real, shift, num_merged_tiles):
     return rows, columns
 
 
-@numba.njit(**_JIT)
+@compiled
 def remote_tokens(blocks, home, rank, block_len, world_size):
     """The tokens of the distinct (rank, block) pairs of the tiles whose block (``blocks``: each tile's
     q- or kv-block) is homed away from the tile's rank: what the receive-once rule moves."""
@@ -106,7 +106,7 @@ def remote_tokens(blocks, home, rank, block_len, world_size):
     return tokens
 
 
-@numba.njit(**_JIT)
+@compiled
 def renumber_stages(stage):
     """(stages, number of stages) with the used stages >= 1 renumbered 1, 2, ... (stage 0 kept): two
     passes, and where the stages are already compact (most plans) the second one is a copy."""
@@ -127,7 +127,7 @@ def renumber_stages(stage):
     return out, count + 1
 
 
-@numba.njit(**_JIT)
+@compiled
 def group_by_rank(tiles, rank, seconds, world_size):
     """(tiles grouped by ascending rank, stably; their ranks; each one's end position in its rank's list,
     in seconds): planner/stages.py ``LocalWork``. The ends are the running sum over all the grouped
@@ -154,7 +154,7 @@ def group_by_rank(tiles, rank, seconds, world_size):
     return order, ranks, end
 
 
-@numba.njit(**_JIT)
+@compiled
 def pour(stage, order, ranks, end, total, gaps, movable, fill):
     """planner/stages.py ``_pour``: per rank, its local tiles (``order``, with ``ranks`` and ``end``) fill
     the gaps ``gaps[r, i]`` of stages ``fill[i]`` in turn, up to ``movable[r]`` seconds in all; a tile

@@ -1,0 +1,64 @@
+"""``compiled``: the planner's numba decorator, with a lock across processes around compiling.
+
+numba compiles a function on its first call with new argument types and keeps the machine code in an
+on-disk cache (``cache=True``), so a later process loads it (~0.3 s for the planner) instead of
+compiling it again (~19 s on a new machine). That cache is not safe for processes that fill it at the
+same time (numba/numba#4807: one can load another's half-written files and crash), which is what
+torchrun's ranks, or the spawned ranks of the tests, do when they plan their first batch together.
+So every compile or cache load here (numba's ``_compile_for_args``, which the dispatcher calls only
+when no compiled version fits the arguments) holds an exclusive lock on one file: the first process
+fills the cache, the others then load it. Calls that find their compiled version take no lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+import tempfile
+import threading
+
+import numba
+
+LOCK_PATH = os.path.join(tempfile.gettempdir(), "blockattn-numba-compile.lock")
+_thread_lock = threading.RLock()
+_depth = 0  # (nested compiles in one thread take the file lock once)
+
+
+def compiled(fn=None, **options):
+    """``numba.njit(cache=True, nogil=True, **options)`` whose compiles and cache loads hold the lock."""
+    if fn is None:
+        return functools.partial(compiled, **options)
+    dispatcher = numba.njit(cache=True, nogil=True, **options)(fn)
+    dispatcher._compile_for_args = _locked(dispatcher._compile_for_args)
+    return dispatcher
+
+
+def _locked(compile_for_args):
+    @functools.wraps(compile_for_args)
+    def locked(*args, **kws):
+        global _depth
+        with _thread_lock:
+            if _depth:
+                return compile_for_args(*args, **kws)
+            fd = _open_lock()
+            _depth += 1
+            try:
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                return compile_for_args(*args, **kws)
+            finally:
+                _depth -= 1
+                if fd is not None:
+                    os.close(fd)  # (closing releases the lock)
+
+    return locked
+
+
+def _open_lock():
+    """A descriptor of the lock file (read-only is enough for flock, so another user's file works),
+    or None where none can be opened: then the compile goes on unlocked, as numba's own would."""
+    try:
+        return os.open(LOCK_PATH, os.O_RDONLY | os.O_CREAT, 0o666)
+    except OSError:
+        return None
