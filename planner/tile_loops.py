@@ -8,7 +8,9 @@ Why: a large one-node batch (128K tokens of long documents, 100-200K tiles at bl
 merged blocks, and then every real tile is visited to merge it, to map the merged plan's receive groups
 back to real blocks and to count bytes; in numpy those passes took ~3 of its ~10 ms (about a dozen
 passes over the tiles, each writing a temporary as large). One loop each does the same work in one or
-two passes. The results are the same arrays (integer sums), so the plans do not change.
+two passes. The results are the same arrays (integer sums), so the plans do not change. Also here:
+``compact_stages``' renumbering and the spreads' grouping by rank and pour (planner/stages.py), same
+floats as their numpy forms.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .jit import compiled
-
+from .sort_loops import counting_order
 
 
 @compiled
@@ -132,16 +134,7 @@ def group_by_rank(tiles, rank, seconds, world_size):
     """(tiles grouped by ascending rank, stably; their ranks; each one's end position in its rank's list,
     in seconds): planner/stages.py ``LocalWork``. The ends are the running sum over all the grouped
     tiles less the sum before the rank's first, as ``_grouped_cumsum`` computes them (same floats)."""
-    keys = rank[tiles]
-    start = np.zeros(world_size + 1, dtype=np.int64)
-    for k in keys:
-        start[k + 1] += 1
-    for r in range(world_size):
-        start[r + 1] += start[r]
-    order = np.empty(tiles.size, dtype=np.int64)
-    for i in range(tiles.size):
-        order[start[keys[i]]] = tiles[i]
-        start[keys[i]] += 1
+    order = tiles[counting_order(rank[tiles], world_size)]
     ranks = rank[order]
     end = np.empty(order.size)
     cum, before = 0.0, 0.0  # running sum; at the rank's first tile, the running sum less that tile
