@@ -12,13 +12,17 @@ fills the cache, the others then load it. Calls that find their compiled version
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import os
 import tempfile
 import threading
 
 import numba
+
+try:
+    import fcntl
+except ImportError:  # (no flock on this platform: numba's own unlocked compile)
+    fcntl = None
 
 LOCK_PATH = os.path.join(tempfile.gettempdir(), "blockattn-numba-compile.lock")
 _thread_lock = threading.RLock()
@@ -30,7 +34,8 @@ def compiled(fn=None, **options):
     if fn is None:
         return functools.partial(compiled, **options)
     dispatcher = numba.njit(cache=True, nogil=True, **options)(fn)
-    dispatcher._compile_for_args = _locked(dispatcher._compile_for_args)
+    if hasattr(dispatcher, "_compile_for_args"):  # (with NUMBA_DISABLE_JIT=1 numba gives back ``fn``)
+        dispatcher._compile_for_args = _locked(dispatcher._compile_for_args)
     return dispatcher
 
 
@@ -58,6 +63,8 @@ def _locked(compile_for_args):
 def _open_lock():
     """A descriptor of the lock file (read-only is enough for flock, so another user's file works),
     or None where none can be opened: then the compile goes on unlocked, as numba's own would."""
+    if fcntl is None:
+        return None
     try:
         return os.open(LOCK_PATH, os.O_RDONLY | os.O_CREAT, 0o666)
     except OSError:

@@ -47,3 +47,25 @@ def test_processes_compiling_at_once_fill_the_cache_once(tmp_path):
         os.environ.update(env)
     kinds = sorted(p.read_text() for p in out.iterdir())
     assert kinds == ["hit", "hit", "miss"], kinds
+
+
+def test_the_compiled_planner_plans_as_its_python_source_does():
+    """With NUMBA_DISABLE_JIT=1 numba runs the same functions as Python: a one-node and a multi-node dcp
+    plan are the same there (a check on numba's typing: integer widths, division, stable sorts)."""
+    import subprocess
+    import sys
+
+    script = (
+        "from blockattn.masks import MaskSpec\n"
+        "from blockattn.planner import Topology, make_plan\n"
+        "spec = MaskSpec.documents([3000, 9000, 500, 7000, 1200])\n"
+        "kw = dict(block_size=128, num_q_heads=32, num_kv_heads=8, head_dim=128)\n"
+        "print(make_plan(spec, 8, **kw).fingerprint(), make_plan(spec, 6, topology=Topology(ranks_per_node=3), **kw)"
+        ".fingerprint())\n")
+    prints = []
+    for disable in ("0", "1"):
+        env = dict(os.environ, NUMBA_DISABLE_JIT=disable)
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        prints.append(done.stdout.split())
+    assert prints[0] == prints[1] and len(prints[0]) == 2, prints
