@@ -19,7 +19,7 @@ from .cost_model import CostModel, Topology
 from .finish import finish_placement
 from .placement import Placement, compact_stages, positions_by_key
 from .plan import Plan
-from .schedule import CommSchedule, as_relay_table, derive_schedule
+from .schedule import as_relay_table, derive_schedule
 from .tiles import TileSet, forget_tile_sets
 
 DEFAULT_BLOCK_SIZE = 128
@@ -257,8 +257,7 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
         schedule = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks,
                                    num_stages=num_stages, world_size=world_size, kv_relay=relay,
                                    tile_stage_bwd=stage_bwd)
-    schedule = CommSchedule(schedule.fwd, schedule.bwd, schedule.num_stages, schedule.world_size)  # (sorted now:
-    # a plan holds its tables in wire order, as the executor, the check and other processes read them)
+    schedule = schedule.in_wire_order()
     as32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
     local = tuple(as32(part) for part in positions_by_key(home, world_size))
     return Plan(

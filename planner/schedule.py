@@ -89,15 +89,18 @@ class CommSchedule:
     schedules it derives are never sorted."""
 
     def __init__(self, fwd: torch.Tensor, bwd: torch.Tensor, num_stages: int, world_size: int):
-        self._tables = {"fwd": fwd, "bwd": bwd}
-        self._unsorted = None  # {"fwd", "bwd"}: int64 [m, 5] rows in any order, until sorted
+        self._init({"fwd": fwd, "bwd": bwd}, None, num_stages, world_size)
+
+    def _init(self, tables: dict, unsorted: dict | None, num_stages: int, world_size: int) -> None:
+        self._tables = tables  # direction -> int32 table in wire order, once sorted
+        self._unsorted = unsorted  # {"fwd", "bwd"}: int64 [m, 5] rows in any order, or None
         self.num_stages, self.world_size = int(num_stages), int(world_size)
 
     @classmethod
     def from_rows(cls, fwd: np.ndarray, bwd: np.ndarray, *, num_stages: int, world_size: int) -> "CommSchedule":
         """A schedule of int64 ``[m, 5]`` row arrays in any order (sorted into wire order on first use)."""
-        sched = cls(None, None, num_stages, world_size)
-        sched._tables, sched._unsorted = {}, {"fwd": fwd, "bwd": bwd}
+        sched = cls.__new__(cls)
+        sched._init({}, {"fwd": fwd, "bwd": bwd}, num_stages, world_size)
         return sched
 
     @property
@@ -124,9 +127,14 @@ class CommSchedule:
 
     def with_num_stages(self, num_stages: int) -> "CommSchedule":
         """The same rows in a schedule of ``num_stages`` stages (one stage more that carries no row)."""
-        sched = CommSchedule(None, None, num_stages, self.world_size)
-        sched._tables, sched._unsorted = dict(self._tables), self._unsorted
+        sched = CommSchedule.__new__(CommSchedule)
+        sched._init(dict(self._tables), self._unsorted, num_stages, self.world_size)
         return sched
+
+    def in_wire_order(self) -> "CommSchedule":
+        """This schedule with both tables sorted and no unsorted rows kept (what a Plan holds: the
+        executor, the check and other processes read it, and it pickles without the rows twice)."""
+        return CommSchedule(self.fwd, self.bwd, self.num_stages, self.world_size)
 
     def rows(self, direction: str, *, stage=None, src=None, dst=None, kind=None) -> torch.Tensor:
         """Rows of one table filtered by any of stage / src / dst / kind (wire order kept)."""

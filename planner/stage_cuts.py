@@ -16,12 +16,12 @@ from __future__ import annotations
 import numpy as np
 
 from .jit import compiled
-from .sort_loops import stable_argsort
+from .sort_loops import counting_order, stable_argsort
 
 
 
 @compiled
-def _max_over_items(n, tile_idx, value, num_q_entries, fill):
+def max_over_items(n, tile_idx, value, num_q_entries, fill):
     """Per tile, the max of ``value`` over its (at most two) entries, ``fill`` for a tile with none."""
     out = np.full(n, fill, dtype=np.int64)
     for j in range(tile_idx.size):
@@ -88,7 +88,7 @@ def stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time
     entry_value = np.empty(E, dtype=np.int64)
     for j in range(E):
         entry_value[j] = position[item_of[j]]
-    done_at = _max_over_items(n, tile_idx, entry_value, num_q_entries, -1)
+    done_at = max_over_items(n, tile_idx, entry_value, num_q_entries, -1)
     cum_time = np.zeros(K + 1)
     for i in range(K):
         cum_time[i + 1] = cum_time[i] + item_time[order[i]]
@@ -99,18 +99,15 @@ def stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time
             num_remote += 1
         else:
             local_compute[rank[t]] += compute_time[t]
-    # remote tiles by the position they complete at (stable: a counting sort)
-    first = np.zeros(K + 1, dtype=np.int64)
+    remote_tiles = np.empty(num_remote, dtype=np.int64)
+    done_remote = np.empty(num_remote, dtype=np.int64)
+    m = 0
     for t in range(n):
         if remote[t]:
-            first[done_at[t] + 1] += 1
-    for i in range(K):
-        first[i + 1] += first[i]
-    by_done = np.empty(num_remote, dtype=np.int64)
-    for t in range(n):
-        if remote[t]:
-            by_done[first[done_at[t]]] = t
-            first[done_at[t]] += 1
+            remote_tiles[m], done_remote[m] = t, done_at[t]
+            m += 1
+    # remote tiles by the position they complete at (stable, as numpy's stable argsort)
+    by_done = remote_tiles[counting_order(done_remote, K)]
     done_sorted = np.empty(num_remote, dtype=np.int64)
     cum_done = np.zeros(num_remote + 1)
     for i in range(num_remote):
@@ -138,4 +135,4 @@ def stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time
                 item_stage[order[i]] = best_cuts[c, 2]
     for j in range(E):
         entry_value[j] = item_stage[item_of[j]]
-    return _max_over_items(n, tile_idx, entry_value, num_q_entries, 0)
+    return max_over_items(n, tile_idx, entry_value, num_q_entries, 0)

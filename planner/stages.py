@@ -26,7 +26,7 @@ import numpy as np
 from .cost_model import CostModel
 from .placement import first_occurrence, run_heads
 from .schedule import KIND_KV, KIND_Q, payload_bytes
-from .stage_cuts import stage_items
+from .stage_cuts import max_over_items, stage_items
 from .tile_loops import group_by_rank, pour
 
 
@@ -87,7 +87,7 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
     item_stage = _stage_items_both_ends(order, item_rank, home[item_block], inter, item_time, item_of, tile_idx,
                                         remote_q, compute_time, local_compute, tile_rank=rank,
                                         world_size=world_size, max_stages=max_stages, budget_scale=budget_scale)
-    return _max_over_items(n, tile_idx, item_stage[item_of], remote_q, 0)
+    return max_over_items(n, tile_idx, item_stage[item_of], int(remote_q.sum()), 0)
 
 
 def _stage_items_both_ends(order, receiver, sender, inter, item_time, item_of, tile_idx, remote_q, compute_time,
@@ -98,6 +98,7 @@ def _stage_items_both_ends(order, receiver, sender, inter, item_time, item_of, t
     last stage takes all that is left). Each receiver gets at least its first waiting item, so every
     stage makes progress."""
     P, n = world_size, tile_rank.size
+    num_q_entries = int(remote_q.sum())  # (``tile_idx``: the Q items' entries first)
     link = inter.astype(np.int64)
     item_stage = np.full(order.size, max_stages, dtype=np.int64)
     placed = np.full(order.size, np.iinfo(np.int64).max, dtype=np.int64)  # stage of the items placed so far
@@ -114,7 +115,7 @@ def _stage_items_both_ends(order, receiver, sender, inter, item_time, item_of, t
         item_stage[pending[fits]] = placed[pending[fits]] = s
         pending = pending[~fits]
         # the next budget: compute of the remote tiles whose last item arrives in this stage
-        now = _max_over_items(n, tile_idx, placed[item_of], remote_q, -1) == s
+        now = max_over_items(n, tile_idx, placed[item_of], num_q_entries, -1) == s
         budget = np.bincount(tile_rank[now], weights=compute_time[now], minlength=P)
     return item_stage
 
@@ -144,17 +145,6 @@ def _dense_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     index = np.empty(present.size, dtype=np.int64)  # only the present cells are written and read
     index[uniq] = np.arange(uniq.size)
     return uniq, index[keys]
-
-
-def _max_over_items(n: int, tile_idx: np.ndarray, value: np.ndarray, remote_q: np.ndarray, fill: int) -> np.ndarray:
-    """Per tile, the max of ``value`` over its (at most two) items: the Q items come first in
-    ``tile_idx``, then the KV items, each group in ascending tile order."""
-    nq = int(remote_q.sum())
-    out = np.full(n, fill, dtype=np.int64)
-    out[tile_idx[:nq]] = value[:nq]
-    kv_tiles = tile_idx[nq:]
-    out[kv_tiles] = np.maximum(out[kv_tiles], value[nq:])
-    return out
 
 
 def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, is_local: np.ndarray,
