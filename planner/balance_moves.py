@@ -276,11 +276,6 @@ def best_prefix(state, rule, cand, r, t, mean, cap):
 
 
 @compiled(error_model="numpy")
-def _add_bytes(table, rank, link, nbytes):
-    table[rank, link] += nbytes
-
-
-@compiled(error_model="numpy")
 def add_kv(state, rule, d, kb):
     """Count the KV transfer that gives rank d block kb (not held yet). With ``relay_aware`` the block
     crosses into d's node once, into a proxy rotating with the block (with ``spread_sends`` leaving
@@ -299,17 +294,17 @@ def add_kv(state, rule, d, kb):
                 home_node = state.node[src]
                 mate = state.node_start[home_node] + (kb + nd) % state.node_size[home_node]
                 if mate != sender:
-                    _add_bytes(state.send, sender, 0, nbytes)
-                    _add_bytes(state.recv, mate, 0, nbytes)
+                    state.send[sender, 0] += nbytes
+                    state.recv[mate, 0] += nbytes
                 sender = mate
-            _add_bytes(state.send, sender, 1, nbytes)
-            _add_bytes(state.recv, proxy, 1, nbytes)
+            state.send[sender, 1] += nbytes
+            state.recv[proxy, 1] += nbytes
             state.node_kv[nd, kb] = proxy
         src, link = state.node_kv[nd, kb], 0
         if src == d:  # the proxy itself: its NIC receive is counted
             return
-    _add_bytes(state.send, src, link, nbytes)
-    _add_bytes(state.recv, d, link, nbytes)
+    state.send[src, link] += nbytes
+    state.recv[d, link] += nbytes
 
 
 @compiled(error_model="numpy")
@@ -318,12 +313,12 @@ def add_q_out(state, t, qb):
     hq = state.home[qb]
     link = 1 if state.node[hq] != state.node[t] else 0
     if not state.have_q[t, qb]:
-        _add_bytes(state.send, hq, link, state.q_bytes[qb])
-        _add_bytes(state.recv, t, link, state.q_bytes[qb])
+        state.send[hq, link] += state.q_bytes[qb]
+        state.recv[t, link] += state.q_bytes[qb]
         state.have_q[t, qb] = True
     if hq != t and not state.has_out[t, qb]:
-        _add_bytes(state.send, t, link, state.out_bytes[qb])
-        _add_bytes(state.recv, hq, link, state.out_bytes[qb])
+        state.send[t, link] += state.out_bytes[qb]
+        state.recv[hq, link] += state.out_bytes[qb]
         state.has_out[t, qb] = True
 
 
