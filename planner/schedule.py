@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from .placement import argsort_small_ints, run_heads
-from .tile_loops import covered_rows_and_columns
+from .tile_loops import covered_rows_and_columns, real_groups
 
 KIND_Q, KIND_KV, KIND_OUT, KIND_DO, KIND_DQ, KIND_DKV = range(6)
 KIND_NAMES = ("Q", "KV", "OUT", "DO", "DQ", "DKV")
@@ -57,7 +57,6 @@ def payload_bytes(kind, block_len, *, num_q_heads: int, num_kv_heads: int, head_
     gradient partials dQ / dK / dV travel in the plan's ``grad_comm_dtype`` (``grad_element_size``
     bytes, fp32 by default), as the executor sends them.
     """
-    kind = np.asarray(kind, dtype=np.int64)
     rows = np.asarray(block_len, dtype=np.int64)
     q_tok = num_q_heads * head_dim
     kv_tok = 2 * num_kv_heads * head_dim
@@ -71,6 +70,9 @@ def payload_bytes(kind, block_len, *, num_q_heads: int, num_kv_heads: int, head_
         q_tok * grad_element_size,  # DQ
         kv_tok * grad_element_size,  # DKV
     ], dtype=np.int64)
+    if isinstance(kind, (int, np.integer)) and 0 <= kind < per_token.size:
+        return per_token[kind] * rows  # (one kind for every block: the common call, ~3x faster)
+    kind = np.asarray(kind, dtype=np.int64)
     valid = (kind >= 0) & (kind < per_token.size)
     return np.where(valid, per_token[np.where(valid, kind, 0)] * rows, -1)
 
@@ -319,17 +321,10 @@ def derive_schedule_merged(tiles, coarse, of_fine: np.ndarray, factor: int, coar
         if order.size == 0:
             parts.append([(group_rank, group_block, group_rank, group_rank)] * 2)
             continue
-        cover = covered.reshape(-1, factor)[order]  # [merged tiles of the groups, factor]
-        groups = []
-        for per_tile in (stage[order], stage_bwd[order]):
-            first = np.minimum.reduceat(np.where(cover, per_tile[:, None], np.iinfo(np.int64).max), heads, axis=0)
-            last = np.maximum.reduceat(np.where(cover, per_tile[:, None], -1), heads, axis=0)
-            groups.append((first, last))
-        present = np.logical_or.reduceat(cover, heads, axis=0)
-        # (row-major: ascending rank * nB + block, as receive_groups orders its groups)
-        block = (group_block[:, None] * factor + np.arange(factor))[present]
-        group_rank = np.broadcast_to(group_rank[:, None], present.shape)[present]
-        parts.append([(group_rank, block, first[present], last[present]) for first, last in groups])
+        # (ascending rank * nB + block, as receive_groups orders its groups)
+        group_rank, block, first, last, first_bwd, last_bwd = real_groups(covered, order, heads, stage,
+                                                                          stage_bwd, group_rank, group_block, factor)
+        parts.append([(group_rank, block, first, last), (group_rank, block, first_bwd, last_bwd)])
     (q_fwd, q_bwd), (kv_fwd, kv_bwd) = parts
     return schedule_from_groups(home, q_fwd, kv_fwd, num_blocks=tiles.num_blocks, num_stages=num_stages,
                                 world_size=world_size, bwd_groups=(q_bwd, kv_bwd))

@@ -178,3 +178,41 @@ def pour(stage, order, ranks, end, total, gaps, movable, fill):
                 out = stage.copy()
             out[order[j]] = fill[i]
     return out
+
+
+@compiled
+def real_groups(covered, order, heads, stage, stage_bwd, group_rank, group_block, factor):
+    """planner/schedule.py ``derive_schedule_merged``: the real (rank, block) receive groups of merged
+    groups (``order``: merged tiles by group, ``heads``: each group's first position), with each real
+    group's first and last forward and backward stage over the merged tiles that cover its block
+    (``covered``: ``covered_rows_and_columns``' rows or columns). Groups in the merged groups' order,
+    each one's real blocks ascending; (rank, block, first, last, first bwd, last bwd)."""
+    num_groups, n = heads.size, order.size
+    out_rank = np.empty(num_groups * factor, dtype=np.int64)
+    out_block = np.empty(num_groups * factor, dtype=np.int64)
+    out_stages = np.empty((4, num_groups * factor), dtype=np.int64)
+    lo = np.empty((2, factor), dtype=np.int64)
+    hi = np.empty((2, factor), dtype=np.int64)
+    present = np.empty(factor, dtype=np.bool_)
+    m = 0
+    for g in range(num_groups):
+        end = heads[g + 1] if g + 1 < num_groups else n
+        lo[:] = np.iinfo(np.int64).max
+        hi[:] = -1
+        present[:] = False
+        for p in range(heads[g], end):
+            t = order[p]
+            fwd, bwd = stage[t], stage_bwd[t]
+            for j in range(factor):
+                if covered[t * factor + j]:
+                    present[j] = True
+                    lo[0, j], hi[0, j] = min(lo[0, j], fwd), max(hi[0, j], fwd)
+                    lo[1, j], hi[1, j] = min(lo[1, j], bwd), max(hi[1, j], bwd)
+        for j in range(factor):
+            if present[j]:
+                out_rank[m], out_block[m] = group_rank[g], group_block[g] * factor + j
+                out_stages[0, m], out_stages[1, m] = lo[0, j], hi[0, j]
+                out_stages[2, m], out_stages[3, m] = lo[1, j], hi[1, j]
+                m += 1
+    return (out_rank[:m].copy(), out_block[:m].copy(), out_stages[0, :m].copy(), out_stages[1, :m].copy(),
+            out_stages[2, :m].copy(), out_stages[3, :m].copy())
