@@ -17,7 +17,7 @@ from . import baselines, dcp, fcp, hypergraph
 from .check import check_plan
 from .cost_model import CostModel, Topology
 from .finish import finish_placement
-from .placement import Placement, compact_stages, positions_by_key
+from .placement import Placement, positions_by_key, stage_renumbering
 from .plan import Plan
 from .schedule import as_relay_table, derive_schedule
 from .tiles import TileSet, forget_tile_sets
@@ -241,7 +241,9 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
     """Turn a strategy's Placement into a Plan (stages compacted, schedule derived with its relays)."""
     home = np.asarray(placement.block_home, dtype=np.int64)
     rank = np.asarray(placement.tile_rank, dtype=np.int64)
-    stage, num_stages = compact_stages(placement.tile_stage)
+    planned_stage = np.asarray(placement.tile_stage, dtype=np.int64)
+    remap, num_stages, renumbered = stage_renumbering(planned_stage)
+    stage = planned_stage if not renumbered else remap[planned_stage]
     relay = as_relay_table(placement.kv_relay)
     schedule, stage_bwd = placement.schedule, placement.tile_stage_bwd
     if stage_bwd is None:
@@ -252,7 +254,7 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
         done = finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes,
                                 kv_relay=relay if relay.shape[0] else None, spread_forward=False, score=False)
         schedule, stage_bwd = done.schedule, done.tile_stage_bwd
-    elif schedule is None or schedule.num_stages != num_stages or not np.array_equal(stage, placement.tile_stage):
+    elif schedule is None or schedule.num_stages != num_stages or renumbered:
         # compaction renumbers stages monotonically, so a relay's "held strictly before" still holds
         schedule = derive_schedule(home, tiles.q, tiles.kv, rank, stage, num_blocks=tiles.num_blocks,
                                    num_stages=num_stages, world_size=world_size, kv_relay=relay,

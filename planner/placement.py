@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .tile_loops import renumber_stages
+from . import tile_loops
+from .tile_loops import renumbered
 
 
 @dataclass(frozen=True)
@@ -48,14 +49,21 @@ def runs_to_home(bounds: np.ndarray, owner_of_run: np.ndarray, num_blocks: int) 
 
 def compact_stages(stage: np.ndarray) -> tuple[np.ndarray, int]:
     """Renumber the used stages >= 1 as 1, 2, ... (stage 0 keeps its meaning: all inputs at home).
-    Returns (stages, num_stages); num_stages >= 1 even for an empty tile list."""
+    Returns (stages, num_stages), a new array; num_stages >= 1 even for an empty tile list."""
     stage = np.asarray(stage, dtype=np.int64)
+    remap, num_stages, _ = stage_renumbering(stage)
+    return (stage if remap is None else renumbered(stage, remap)), num_stages
+
+
+def stage_renumbering(stage: np.ndarray) -> tuple:
+    """(remap, num_stages, changed) of int64 ``stage``: ``compact_stages(stage)[0]`` is ``remap[stage]``,
+    and differs from ``stage`` exactly where ``changed``; remap None for an empty tile list."""
     if stage.size == 0:
-        return stage, 1
-    if stage.min() < 0:
-        raise ValueError(f"stages must be >= 0, got {int(stage.min())}")
-    compact, num_stages = renumber_stages(stage)
-    return compact, int(num_stages)
+        return None, 1, False
+    remap, num_stages, changed, low = tile_loops.stage_renumbering(stage)
+    if low < 0:
+        raise ValueError(f"stages must be >= 0, got {int(low)}")
+    return remap, int(num_stages), bool(changed)
 
 
 def first_occurrence(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:

@@ -109,10 +109,16 @@ def remote_tokens(blocks, home, rank, block_len, world_size):
 
 
 @compiled
-def renumber_stages(stage):
-    """(stages, number of stages) with the used stages >= 1 renumbered 1, 2, ... (stage 0 kept): two
-    passes, and where the stages are already compact (most plans) the second one is a copy."""
-    used = np.zeros(stage.max() + 1, dtype=np.bool_)
+def stage_renumbering(stage):
+    """(remap, number of stages, whether remap changes any stage, smallest stage) of non-empty stages:
+    ``remap[s]`` renumbers the used stages >= 1 as 1, 2, ... (stage 0 kept), in one pass over the
+    tiles; where the smallest is negative, nothing else is meaningful (the caller raises)."""
+    top, low = stage[0], stage[0]
+    for s in stage:
+        top, low = max(top, s), min(low, s)
+    if low < 0:
+        return np.zeros(0, dtype=np.int64), 0, False, low
+    used = np.zeros(top + 1, dtype=np.bool_)
     for s in stage:
         used[s] = True
     remap = np.empty(used.size, dtype=np.int64)
@@ -121,12 +127,16 @@ def renumber_stages(stage):
         if s > 0 and used[s]:
             count += 1
         remap[s] = count
-    if count == used.size - 1:
-        return stage.copy(), count + 1
+    return remap, count + 1, count != used.size - 1, low
+
+
+@compiled
+def renumbered(stage, remap):
+    """``remap[stage]``, a new array."""
     out = np.empty(stage.size, dtype=np.int64)
     for i in range(stage.size):
         out[i] = remap[stage[i]]
-    return out, count + 1
+    return out
 
 
 @compiled

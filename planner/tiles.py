@@ -51,7 +51,7 @@ class TileSet:
             q=tq.numpy().astype(np.int64),
             kv=tk.numpy().astype(np.int64),
             full=tf.numpy().astype(bool),
-            pairs=bm.tile_pairs().numpy().astype(np.int64),
+            pairs=np.asarray(bm.tile_pairs().numpy(), dtype=np.int64),  # (a new array: no copy)
         )
         try:
             _from_block_mask_cache[bm] = result
