@@ -91,8 +91,8 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
         """[P, S] seconds per rank and stage, [P, S + 1] transfer time per rank and exchange."""
         load = np.bincount(placement.tile_rank * S + stage, weights=seconds, minlength=world_size * S)
         table = placement.schedule.cost_rows(direction)  # (sums: any order)
-        return load.reshape(world_size, S), cost_model.stage_comm_time(
-            table, row_bytes(table, tiles.block_lengths(), **sizes), world_size, S)
+        return load.reshape(world_size, S), cost_model.table_comm_time(
+            table, tiles.block_lengths(), world_size, S, **sizes)
 
     if beat is not None:
         busiest_bwd = np.bincount(placement.tile_rank, weights=compute_bwd, minlength=world_size).max()

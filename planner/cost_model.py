@@ -29,11 +29,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .schedule import KIND_DO, KIND_KV, KIND_NAMES, KIND_Q
+from .comm_loops import exchange_times
+from .schedule import KIND_DO, KIND_KV, KIND_NAMES, KIND_Q, payload_bytes
 
 # Q, KV, DO travel one exchange before their stage; by kind (a lookup: np.isin per call costs more
 # than the rest of stage_comm_time)
 _IS_INPUT = np.isin(np.arange(len(KIND_NAMES)), (KIND_Q, KIND_KV, KIND_DO))
+_IS_INPUT_INT = _IS_INPUT.astype(np.int64)
+_KINDS = np.arange(len(KIND_NAMES))
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,17 @@ class CostModel:
                              np.bincount(at_dst, weights=nbytes, minlength=2 * size)).reshape(2, P, S1)
         rows = (np.bincount(at_src, minlength=2 * size) + np.bincount(at_dst, minlength=2 * size)).reshape(2, P, S1) > 0
         return self.link_time(busiest, rows)
+
+    def table_comm_time(self, table: np.ndarray, block_len: np.ndarray, world_size: int, num_stages: int,
+                        **sizes) -> np.ndarray:
+        """``stage_comm_time`` of int64 schedule rows ``table`` [m, 5] with their payload bytes
+        (planner/schedule.py ``row_bytes`` of ``block_len`` and ``sizes``), in one compiled pass
+        (planner/comm_loops.py); the same floats."""
+        topo = self.topology
+        kind_bytes = payload_bytes(_KINDS, 1, **sizes)
+        return exchange_times(np.ascontiguousarray(table, dtype=np.int64), np.asarray(block_len, dtype=np.int64),
+                              kind_bytes, _IS_INPUT_INT, topo.ranks_per_node, float(topo.intra_bw),
+                              float(topo.inter_bw), float(topo.intra_lat), float(topo.inter_lat), world_size, num_stages)
 
     def link_time(self, busiest: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Transfer time from ``busiest`` [2, ...] bytes (the busier of send and receive; NVLink, then

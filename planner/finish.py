@@ -17,7 +17,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages
-from .schedule import InputGroups, row_bytes, schedule_from_groups, schedule_rows
+from .schedule import InputGroups, schedule_from_groups, schedule_rows
 from .stages import LocalWork, own_row_movable, spread_local_tiles, spread_own_rows
 from .stages_bwd import (DEFER_ROUNDS, BackwardChoice, backward_stages, backward_time, choose_backward_staging,
                          defer_backward_groups, defer_variant_sets)
@@ -101,8 +101,8 @@ class Finisher:
         comm = {}
         for direction in directions:
             table = sched.cost_rows(direction)
-            comm[direction] = self.cost_model.stage_comm_time(table, row_bytes(table, self.block_len, **self.sizes),
-                                                              self.P, sched.num_stages)
+            comm[direction] = self.cost_model.table_comm_time(table, self.block_len, self.P, sched.num_stages,
+                                                              **self.sizes)
         return comm
 
     def _backward_time(self, stage_bwd: np.ndarray, comm_bwd: np.ndarray, num_stages: int) -> tuple:
@@ -118,8 +118,7 @@ class Finisher:
         groups = self._groups(stage_bwd)
         _, rows = schedule_rows(self.home, *self._forward_groups(), num_blocks=self.tiles.num_blocks,
                                 num_stages=num_stages, kv_relay=kv_relay, bwd_groups=groups)
-        nbytes = row_bytes(rows, self.block_len, **self.sizes)
-        return groups, self.cost_model.stage_comm_time(rows, nbytes, self.P, num_stages)
+        return groups, self.cost_model.table_comm_time(rows, self.block_len, self.P, num_stages, **self.sizes)
 
     def deferred(self, placement: Placement, node_local: bool = True) -> Placement:
         """``placement`` (finished from this Finisher's homes, ranks and forward stages) with its backward

@@ -37,7 +37,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages, positions_by_key, run_heads
-from .schedule import KIND_KV, KIND_OUT, KIND_Q, as_relay_table, derive_schedule, payload_bytes, row_bytes
+from .schedule import KIND_KV, KIND_OUT, KIND_Q, as_relay_table, derive_schedule, payload_bytes
 from .stages import own_row_movable, spread_local_tiles, spread_own_rows
 
 # Greedy rounds at most (a round makes one move). At 120, 8 of 38 forward searches over the held-out
@@ -454,7 +454,7 @@ def staged_comm(tiles, placement: Placement, stage: np.ndarray, stage_bwd: np.nd
     block_len, comm = tiles.block_lengths(), {}
     for direction in ("fwd", "bwd"):
         table = sched.cost_rows(direction)  # (sums: any order)
-        comm[direction] = cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), world_size, S)
+        comm[direction] = cost_model.table_comm_time(table, block_len, world_size, S, **sizes)
     return sched, comm
 
 

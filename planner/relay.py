@@ -391,7 +391,7 @@ class RelayScorer:
             def bwd_comm(groups):
                 rows = schedule_rows(self.home, self.q_groups, self.kv_groups, num_blocks=nB, num_stages=num_stages,
                                      bwd_groups=groups)[1]
-                return self.cm.stage_comm_time(rows, row_bytes(rows, self.block_len, **self.sizes), self.P, num_stages)
+                return self.cm.table_comm_time(rows, self.block_len, self.P, num_stages, **self.sizes)
 
             def derive(stage_bwd):
                 stage_groups = groups(stage_bwd)
@@ -415,7 +415,7 @@ class RelayScorer:
         stage_bwd, bwd_groups = self._backward(num_stages)
         rows = schedule_rows(self.home, q_groups, kv_groups, num_blocks=self.tiles.num_blocks, num_stages=num_stages,
                              kv_relay=relay, bwd_groups=bwd_groups)
-        comm = [self.cm.stage_comm_time(table, row_bytes(table, self.block_len, **self.sizes), self.P, num_stages)
+        comm = [self.cm.table_comm_time(table, self.block_len, self.P, num_stages, **self.sizes)
                 for table in rows]
         stage_bwd = spread_backward_local(stage_bwd, self.compute_bwd_time, self.rank, self.local_work, comm[1],
                                           world_size=self.P, num_stages=num_stages)

@@ -1,0 +1,59 @@
+"""The compiled pricing of schedule rows (planner/comm_loops.py, ``CostModel.table_comm_time``) against
+the numpy cost model it replaces in the planner (``stage_comm_time`` of ``row_bytes``): the same
+floats, bit for bit, on random tables and on a real plan's schedule."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockattn.masks import MaskSpec
+from blockattn.planner import CostModel, Topology, make_plan
+from blockattn.planner.schedule import KIND_DO, KIND_KV, KIND_Q, row_bytes
+
+HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
+
+
+def _numpy_times(cost_model, table, block_len, world_size, num_stages, sizes):
+    return cost_model.stage_comm_time(table, row_bytes(table, block_len, **sizes), world_size, num_stages)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), world_size=st.integers(1, 13), ranks_per_node=st.integers(1, 8),
+       num_stages=st.integers(1, 5), rows=st.integers(0, 300), grad=st.sampled_from([2, 4]))
+def test_compiled_comm_times_equal_the_numpy_cost_model(seed, world_size, ranks_per_node, num_stages, rows, grad):
+    rng = np.random.default_rng(seed)
+    num_blocks = int(rng.integers(1, 40))
+    block_len = np.full(num_blocks, 128, dtype=np.int64)
+    block_len[-1] = int(rng.integers(1, 129))  # (a short last block)
+    kind = rng.integers(0, 6, rows)
+    is_input = np.isin(kind, (KIND_Q, KIND_KV, KIND_DO))
+    # inputs arrive in the exchange before their stage (stage >= 1), results leave after theirs
+    stage = np.where(is_input, rng.integers(1, num_stages + 1, rows), rng.integers(0, num_stages, rows))
+    table = np.stack([stage, rng.integers(0, world_size, rows), rng.integers(0, world_size, rows), kind,
+                      rng.integers(0, num_blocks, rows)], axis=1).astype(np.int64)
+    cost_model = CostModel(topology=Topology(ranks_per_node=ranks_per_node, inter_bw=float(rng.uniform(10e9, 100e9)),
+                                             inter_lat=float(rng.uniform(0, 3e-5))))
+    sizes = dict(HEADS, element_size=2, grad_element_size=grad)
+    compiled = cost_model.table_comm_time(table, block_len, world_size, num_stages, **sizes)
+    expected = _numpy_times(cost_model, table, block_len, world_size, num_stages, sizes)
+    assert compiled.shape == (world_size, num_stages + 1)
+    assert np.array_equal(compiled, expected), np.abs(compiled - expected).max()
+
+
+def test_a_plans_transfer_times_are_priced_the_same_both_ways():
+    """A two-node plan of documents (inter- and intra-node rows, several stages, both directions)."""
+    lens = [3000, 700, 1, 5200, 2100, 999]
+    plan = make_plan(MaskSpec.documents(lens) & MaskSpec.causal(sum(lens)), 6, block_size=64,
+                     topology=Topology(ranks_per_node=4), **HEADS)
+    cost_model = plan.cost_model
+    block_len = np.minimum(plan.block_size, plan.total_len - np.arange(plan.num_blocks) * plan.block_size)
+    sizes = dict(HEADS, element_size=plan.dtype.itemsize, grad_element_size=plan.grad_comm_dtype.itemsize)
+    for direction in ("fwd", "bwd"):
+        table = plan.schedule.table(direction).numpy().astype(np.int64)
+        assert table.shape[0] > 0
+        compiled = cost_model.table_comm_time(table, block_len, plan.world_size, plan.num_stages, **sizes)
+        expected = _numpy_times(cost_model, table, block_len, plan.world_size, plan.num_stages, sizes)
+        assert np.array_equal(compiled, expected)
+        assert (compiled > 0).any()
