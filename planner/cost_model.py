@@ -25,6 +25,7 @@ Model (stated once, used by ``Plan.stats()`` and by the dcp stage splitter):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,9 +119,8 @@ class CostModel:
         (planner/schedule.py ``row_bytes`` of ``block_len`` and ``sizes``), in one compiled pass
         (planner/comm_loops.py); the same floats."""
         topo = self.topology
-        kind_bytes = payload_bytes(_KINDS, 1, **sizes)
         return exchange_times(np.ascontiguousarray(table, dtype=np.int64), np.asarray(block_len, dtype=np.int64),
-                              kind_bytes, _IS_INPUT_INT, topo.ranks_per_node, float(topo.intra_bw),
+                              _kind_bytes(**sizes), _IS_INPUT_INT, topo.ranks_per_node, float(topo.intra_bw),
                               float(topo.inter_bw), float(topo.intra_lat), float(topo.inter_lat), world_size, num_stages)
 
     def link_time(self, busiest: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -145,3 +145,11 @@ class CostModel:
         """Per-rank time [P] from compute [P, S] and comm [P, S + 1] per exchange: exchange j < S
         overlaps stage j's compute, exchange S (the last stage's partials) follows it."""
         return np.maximum(compute, comm[:, :-1]).sum(axis=1) + comm[:, -1]
+
+
+@functools.lru_cache(maxsize=64)
+def _kind_bytes(**sizes) -> np.ndarray:
+    """int64 [6], read-only: bytes per token of every transfer kind (``payload_bytes``) for ``sizes``."""
+    out = payload_bytes(_KINDS, 1, **sizes)
+    out.setflags(write=False)
+    return out

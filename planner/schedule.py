@@ -239,7 +239,9 @@ def _grouping(rank: np.ndarray, block: np.ndarray, tiles: np.ndarray, num_blocks
 
 
 def _rows(stage, src, dst, kind: int, block) -> np.ndarray:
-    return np.stack([stage, src, dst, np.full_like(stage, kind), block], axis=1)
+    rows = np.empty((len(stage), 5), dtype=np.int64)  # (np.stack: ~3x the time on a finisher's small groups)
+    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4] = stage, src, dst, kind, block
+    return rows
 
 
 def _sorted_table(parts: list[np.ndarray]) -> torch.Tensor:
