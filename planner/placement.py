@@ -86,13 +86,6 @@ def run_heads(key: np.ndarray) -> np.ndarray:
     return heads
 
 
-def argsort_small_ints(values: np.ndarray) -> np.ndarray:
-    """Stable argsort of non-negative ints; below 2**16 they are radix-sorted as uint16, in O(n)."""
-    if values.size and int(values.max()) < 2**16:
-        values = values.astype(np.uint16)
-    return np.argsort(values, kind="stable")
-
-
 def positions_by_key(keys: np.ndarray, n: int) -> list:
     """For each value 0..n-1 of the small ints ``keys``, the positions where ``keys`` holds it, ascending."""
     order = np.argsort(keys, kind="stable")

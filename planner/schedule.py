@@ -39,7 +39,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .placement import argsort_small_ints, run_heads
+from .placement import run_heads
+from .group_loops import group_stages, group_tiles
 from .tile_loops import covered_rows_and_columns, real_groups
 
 KIND_Q, KIND_KV, KIND_OUT, KIND_DO, KIND_DQ, KIND_DKV = range(6)
@@ -217,22 +218,16 @@ class InputGroups:
         stage = np.asarray(stage, dtype=np.int64)
         out = []
         for tiles, heads, group_rank, group_block in self._parts:
-            if tiles.size == 0:
-                out.append((group_rank, group_block, group_rank, group_rank))
-                continue
-            s = stage[tiles]
-            out.append((group_rank, group_block, np.minimum.reduceat(s, heads), np.maximum.reduceat(s, heads)))
+            out.append((group_rank, group_block, *group_stages(tiles, heads, stage)))
         return tuple(out)
 
 
 def _grouping(rank: np.ndarray, block: np.ndarray, tiles: np.ndarray, num_blocks: int) -> tuple:
     """(tiles ordered by ``rank * nB + block``, each group's first position, each group's rank and
-    block) of the given tile indices, as ``receive_groups`` orders its groups; read-only."""
-    key = np.multiply(rank[tiles], num_blocks, dtype=np.int64) + block[tiles]  # (int32 inputs too)
-    order = argsort_small_ints(key)
-    key = key[order]
-    heads = run_heads(key)
-    parts = (tiles[order], np.flatnonzero(heads), key[heads] // num_blocks, key[heads] % num_blocks)
+    block) of the given tile indices, as ``receive_groups`` orders its groups; read-only. Compiled
+    (planner/group_loops.py ``group_tiles``)."""
+    parts = group_tiles(np.asarray(rank, dtype=np.int64), np.asarray(block, dtype=np.int64),
+                        np.asarray(tiles, dtype=np.int64))
     for part in parts:
         part.setflags(write=False)
     return parts

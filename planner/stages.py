@@ -23,6 +23,7 @@ from functools import cached_property
 
 import numpy as np
 
+from . import group_loops
 from .cost_model import CostModel
 from .placement import first_occurrence, run_heads
 from .schedule import KIND_KV, KIND_Q, payload_bytes
@@ -182,19 +183,9 @@ def own_row_movable(q: np.ndarray, kv: np.ndarray, stage: np.ndarray, rank: np.n
     """bool [ntiles]: tiles that may run in any later stage without changing a transfer - of a q-block
     their rank owns (no Q in, no OUT partial out) and reading a KV block that is home or that an
     earlier-or-equal-staged tile of the same rank, which stays, also reads (the block still arrives
-    for that tile: its first need does not move)."""
-    own = home[q] == rank
-    remote_kv = home[kv] != rank
-    idx = np.flatnonzero(remote_kv)
-    anchor = np.zeros(q.size, dtype=bool)
-    if idx.size:
-        # per (rank, kv-block) the tile in its earliest stage (ties: the first) keeps the block's arrival
-        span = int(kv.max()) + 1
-        key = (rank[idx] * span + kv[idx]) * (int(stage.max()) + 1) + stage[idx]
-        by = idx[np.argsort(key, kind="stable")]
-        group = rank[by] * span + kv[by]
-        anchor[by[run_heads(group)]] = True
-    return own & ~anchor
+    for that tile: its first need does not move). Compiled (planner/group_loops.py)."""
+    q, kv, stage, rank, home = (np.asarray(x, dtype=np.int64) for x in (q, kv, stage, rank, home))
+    return group_loops.own_row_movable(q, kv, stage, rank, home)
 
 
 def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, movable_of,

@@ -18,6 +18,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .stages import LocalWork, _dense_unique, _grouped_cumsum, _pour
+from .tile_loops import class_rule_stages
 
 # ``defer_backward_groups``: the share of each exposed backward gap a rank's deferred groups fill, and
 # the rounds tried per phase (each kept only where faster). Over the 57 multi-node evaluation cases
@@ -50,10 +51,8 @@ def backward_stages(q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.nd
     out) in stage 1; purely local tiles (no transfer) last, in stage 2, where they hide the partials
     of stage 1. Fewer stages merge the later classes.
     """
-    last = max(num_stages - 1, 0)
-    remote_q = home[q] != rank
-    remote_kv = home[kv] != rank
-    return np.where(remote_q, min(1, last), np.where(remote_kv, 0, min(2, last))).astype(np.int64)
+    q, kv, rank, home = (np.asarray(x, dtype=np.int64) for x in (q, kv, rank, home))
+    return class_rule_stages(q, kv, rank, home, num_stages)  # (compiled: one pass, no temporaries)
 
 
 def _stage0_remote_kv_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,

@@ -1,0 +1,78 @@
+"""The compiled (rank, block) groupings (planner/group_loops.py) and the backward class rule
+(planner/tile_loops.py ``class_rule_stages``) against their numpy definitions, on random placements."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockattn.planner.group_loops import group_stages, group_tiles, own_row_movable
+from blockattn.planner.stages_bwd import backward_stages
+
+
+def _placement(seed: int, num_blocks: int, world_size: int, num_tiles: int, num_stages: int):
+    rng = np.random.default_rng(seed)
+    q = np.sort(rng.integers(0, num_blocks, num_tiles))
+    kv = rng.integers(0, num_blocks, num_tiles)
+    home = rng.integers(0, world_size, num_blocks)
+    # mostly each q-block's home, as the planner places them, some tiles elsewhere
+    rank = np.where(rng.random(num_tiles) < 0.6, home[q], rng.integers(0, world_size, num_tiles))
+    stage = rng.integers(0, num_stages, num_tiles)
+    return q, kv, rank, home, stage
+
+
+PLACEMENTS = dict(seed=st.integers(0, 2**31 - 1), num_blocks=st.integers(1, 40), world_size=st.integers(1, 9),
+                  num_tiles=st.integers(0, 400), num_stages=st.integers(1, 5))
+
+
+@settings(max_examples=80, deadline=None)
+@given(**PLACEMENTS)
+def test_receive_groups_match_a_stable_sort_and_segment_reductions(seed, num_blocks, world_size, num_tiles, num_stages):
+    q, kv, rank, home, stage = _placement(seed, num_blocks, world_size, num_tiles, num_stages)
+    for block in (q, kv):
+        tiles = np.flatnonzero(home[block] != rank)
+        order, heads, group_rank, group_block = group_tiles(rank, block, tiles)
+        key = rank[tiles] * num_blocks + block[tiles]
+        expected = tiles[np.argsort(key, kind="stable")]
+        assert np.array_equal(order, expected)
+        sorted_key = rank[order] * num_blocks + block[order]
+        expected_heads = np.flatnonzero(np.r_[True, sorted_key[1:] != sorted_key[:-1]]) if order.size else heads
+        assert np.array_equal(heads, expected_heads)
+        assert np.array_equal(group_rank * num_blocks + group_block, sorted_key[heads])
+        first, last = group_stages(order, heads, stage)
+        if order.size:
+            assert np.array_equal(first, np.minimum.reduceat(stage[order], heads))
+            assert np.array_equal(last, np.maximum.reduceat(stage[order], heads))
+        else:
+            assert first.size == last.size == 0
+
+
+def _own_row_movable_numpy(q, kv, stage, rank, home):
+    own = home[q] == rank
+    idx = np.flatnonzero(home[kv] != rank)
+    anchor = np.zeros(q.size, dtype=bool)
+    if idx.size:
+        span = int(kv.max()) + 1
+        key = (rank[idx] * span + kv[idx]) * (int(stage.max()) + 1) + stage[idx]
+        by = idx[np.argsort(key, kind="stable")]
+        group = rank[by] * span + kv[by]
+        anchor[by[np.r_[True, group[1:] != group[:-1]]]] = True
+    return own & ~anchor
+
+
+@settings(max_examples=80, deadline=None)
+@given(**PLACEMENTS)
+def test_own_row_movable_keeps_each_remote_blocks_earliest_reader(seed, num_blocks, world_size, num_tiles, num_stages):
+    q, kv, rank, home, stage = _placement(seed, num_blocks, world_size, num_tiles, num_stages)
+    assert np.array_equal(own_row_movable(q, kv, stage, rank, home), _own_row_movable_numpy(q, kv, stage, rank, home))
+
+
+@settings(max_examples=40, deadline=None)
+@given(**PLACEMENTS)
+def test_backward_class_rule(seed, num_blocks, world_size, num_tiles, num_stages):
+    q, kv, rank, home, _ = _placement(seed, num_blocks, world_size, num_tiles, num_stages)
+    last = max(num_stages - 1, 0)
+    expected = np.where(home[q] != rank, min(1, last), np.where(home[kv] != rank, 0, min(2, last)))
+    got = backward_stages(q, kv, rank, home, num_stages)
+    assert got.dtype == np.int64 and np.array_equal(got, expected)
