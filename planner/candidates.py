@@ -21,7 +21,7 @@ import numpy as np
 from .balance import balanced_ranks, pushed_rows
 from .cost_model import CostModel, Topology
 from .finish import Finisher, finish_placement
-from .placement import Placement
+from .placement import Placement, per_rank_and_stage
 from .relay import add_relays, add_transit
 from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, payload_bytes, row_bytes
 from .stages import assign_stages
@@ -89,9 +89,9 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
 
     def load_and_comm(stage, seconds, direction):
         """[P, S] seconds per rank and stage, [P, S + 1] transfer time per rank and exchange."""
-        load = np.bincount(placement.tile_rank * S + stage, weights=seconds, minlength=world_size * S)
+        load = per_rank_and_stage(placement.tile_rank, stage, seconds, world_size, S)
         table = placement.schedule.cost_rows(direction)  # (sums: any order)
-        return load.reshape(world_size, S), cost_model.table_comm_time(
+        return load, cost_model.table_comm_time(
             table, tiles.block_lengths(), world_size, S, **sizes)
 
     if beat is not None:

@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 
 from .cost_model import CostModel
-from .placement import Placement, compact_stages
+from .placement import Placement, compact_stages, per_rank_and_stage
 from .schedule import InputGroups, schedule_from_groups, schedule_rows
 from .stages import LocalWork, own_row_movable, spread_local_tiles, spread_own_rows
 from .stages_bwd import (DEFER_ROUNDS, BackwardChoice, backward_stages, backward_time, choose_backward_staging,
@@ -149,7 +149,7 @@ class Finisher:
         comm = self._comm(sched, ("fwd", "bwd"))
 
         def per_stage(stage):
-            return np.bincount(self.rank * S + stage, weights=self.compute, minlength=self.P * S).reshape(self.P, S)
+            return per_rank_and_stage(self.rank, stage, self.compute, self.P, S)
 
         fwd, bwd = self.cost_model.step_times(per_stage(placement.tile_stage), comm["fwd"], comm["bwd"],
                                               per_stage(spread))
@@ -170,8 +170,7 @@ class Finisher:
         best = self._backward_time(unspread, comm, S)[1]
         for into_last in (False, True):
             for _ in range(DEFER_ROUNDS):
-                load = np.bincount(self.rank * S + spread, weights=self.compute_bwd,
-                                   minlength=self.P * S).reshape(self.P, S)
+                load = per_rank_and_stage(self.rank, spread, self.compute_bwd, self.P, S)
                 tried, found = [], None
                 for largest_first, node_local in variants:
                     cand = defer_backward_groups(unspread, self.tiles.kv, self.rank, self.home, self.compute_bwd,
@@ -247,7 +246,7 @@ class Finisher:
             chosen = stage_bwd
 
         def per_stage(st):
-            return np.bincount(rank * num_stages + st, weights=compute, minlength=P * num_stages).reshape(P, num_stages)
+            return per_rank_and_stage(rank, st, compute, P, num_stages)
 
         sim_time = None
         if score:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import tile_loops
-from .tile_loops import renumbered
+from .tile_loops import renumbered, stage_loads
 
 
 @dataclass(frozen=True)
@@ -98,3 +98,10 @@ def prefix_sums(values: np.ndarray) -> np.ndarray:
     out[0] = 0.0
     out[1:] = np.cumsum(values)
     return out
+
+
+def per_rank_and_stage(rank: np.ndarray, stage: np.ndarray, seconds: np.ndarray, world_size: int, width: int) -> np.ndarray:
+    """float64 [P, width]: per-tile ``seconds`` summed per rank and stage (compiled ``stage_loads``;
+    the same floats as a bincount over ``rank * width + stage``)."""
+    return stage_loads(np.asarray(rank, dtype=np.int64), np.asarray(stage, dtype=np.int64),
+                       np.asarray(seconds, dtype=np.float64), int(world_size), int(width))

@@ -36,7 +36,7 @@ from dataclasses import replace
 import numpy as np
 
 from .cost_model import CostModel
-from .placement import Placement, compact_stages, positions_by_key, run_heads
+from .placement import Placement, compact_stages, per_rank_and_stage, positions_by_key, run_heads
 from .schedule import KIND_KV, KIND_OUT, KIND_Q, as_relay_table, derive_schedule, payload_bytes
 from .stages import own_row_movable, spread_local_tiles, spread_own_rows
 
@@ -74,7 +74,7 @@ class StageSearch:
         self._journal = None  # where _shift records old values for undo (None: not recording)
         self._groups(tiles, local_groups)
         P, S = self.P, self.S
-        self.compute = np.bincount(self.rank * S + self.stage, weights=self.seconds, minlength=P * S).reshape(P, S)
+        self.compute = per_rank_and_stage(self.rank, self.stage, self.seconds, P, S)
 
     def _start(self, row_src, row_dst, row_ex, row_bytes, row_on=None) -> None:
         """The rows (ids in the subclass's layout), their loads, and every rank's time."""
@@ -437,7 +437,7 @@ def staged_time(rank: np.ndarray, seconds: np.ndarray, stage: np.ndarray, stage_
     P, S = world_size, num_stages
 
     def per_stage(st):
-        return np.bincount(rank * S + st, weights=seconds, minlength=P * S).reshape(P, S)
+        return per_rank_and_stage(rank, st, seconds, P, S)
 
     fwd, bwd = cost_model.step_times(per_stage(stage), comm["fwd"], comm["bwd"], per_stage(stage_bwd))
     return float(fwd.max() + bwd.max())

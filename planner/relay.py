@@ -49,7 +49,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .finish import Finisher
-from .placement import Placement, compact_stages, run_heads
+from .placement import Placement, compact_stages, per_rank_and_stage, run_heads
 from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, InputGroups, as_relay_table,
                        payload_bytes, receive_groups, row_bytes, schedule_rows)
 from .stages import LocalWork
@@ -360,8 +360,7 @@ class RelayScorer:
         self.kv_tiles = np.flatnonzero(home[tiles.kv] != rank)  # only these can be delayed
         self.kv_tile_key = rank[self.kv_tiles] * nB + tiles.kv[self.kv_tiles]
         # [P, S + 1]: room for the one extra stage a delay may open
-        self.base_compute = np.bincount(rank * (num_stages + 1) + stage, weights=self.compute_time,
-                                        minlength=self.P * (num_stages + 1)).reshape(self.P, num_stages + 1)
+        self.base_compute = per_rank_and_stage(rank, stage, self.compute_time, self.P, num_stages + 1)
         self.remote_kv = home[tiles.kv] != rank
         self.compute_bwd_time = self.compute_time * cost_model.bwd_flops_factor
         self.local_work = LocalWork(np.flatnonzero(~self.remote_q & ~self.remote_kv), rank, self.compute_bwd_time,
@@ -419,8 +418,7 @@ class RelayScorer:
                 for table in rows]
         stage_bwd = spread_backward_local(stage_bwd, self.compute_bwd_time, self.rank, self.local_work, comm[1],
                                           world_size=self.P, num_stages=num_stages)
-        compute_bwd = np.bincount(self.rank * num_stages + stage_bwd, weights=self.compute_time,
-                                  minlength=self.P * num_stages).reshape(self.P, num_stages)
+        compute_bwd = per_rank_and_stage(self.rank, stage_bwd, self.compute_time, self.P, num_stages)
         fwd, bwd = self.cm.step_times(compute, *comm, compute_bwd)
         return float(fwd.max() + bwd.max()), fwd, bwd, stage_bwd, rows
 

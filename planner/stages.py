@@ -25,7 +25,7 @@ import numpy as np
 
 from . import group_loops
 from .cost_model import CostModel
-from .placement import first_occurrence, run_heads
+from .placement import first_occurrence, per_rank_and_stage, run_heads
 from .schedule import KIND_KV, KIND_Q, payload_bytes
 from .stage_cuts import max_over_items, stage_items
 from .tile_loops import group_by_rank, pour
@@ -165,8 +165,7 @@ def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, i
         return stage
     seconds = flops / fwd_rate
     # (a column for stage S too: spread_own_rows may already have opened it)
-    compute = np.bincount(rank * (S + 1) + stage, weights=seconds, minlength=world_size * (S + 1)).reshape(
-        world_size, S + 1)
+    compute = per_rank_and_stage(rank, stage, seconds, world_size, S + 1)
     last = S if extra_stage else S - 1
     gaps = np.maximum(0.0, comm_time[:, 1:last + 1] - compute[:, 1:last + 1])  # stage s overlaps exchange s
     if not gaps.any():
@@ -215,7 +214,7 @@ def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, mo
     # stages after it, earliest first
     for source in range(S - 1, 0, -1):
         if per is None:
-            per = np.bincount(rank * width + stage, weights=seconds, minlength=P * width).reshape(P, width)
+            per = per_rank_and_stage(rank, stage, seconds, P, width)
         gaps = np.maximum(0.0, comm_time[:, :width] - per)
         gaps[:, : source + 1] = 0.0
         if not gaps.any():

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .placement import per_rank_and_stage
 from .cost_model import CostModel
 from .stages import LocalWork, _dense_unique, _grouped_cumsum, _pour
 from .tile_loops import class_rule_stages
@@ -82,7 +83,7 @@ def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank
     S, P = num_stages, world_size
     if S < 3:
         return stage
-    per_stage = np.bincount(rank * S + stage, weights=compute, minlength=P * S).reshape(P, S)
+    per_stage = per_rank_and_stage(rank, stage, compute, P, S)
     take = np.minimum(comm_time[:, 1] - per_stage[:, 1], per_stage[:, 0] - comm_time[:, 0]) / 2
     found = _stage0_remote_kv_groups(stage, kv, rank, home, compute, take > 0)
     if found is None:
@@ -202,7 +203,7 @@ def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarr
     if S < 2:
         return stage
     home_stage = min(2, S - 1)
-    per_stage = np.bincount(rank * S + stage, weights=compute, minlength=P * S).reshape(P, S)
+    per_stage = per_rank_and_stage(rank, stage, compute, P, S)
     gaps = np.maximum(0.0, comm_time[:, :S] - per_stage)  # stage s overlaps exchange s
     movable = np.minimum(per_stage[:, home_stage] - comm_time[:, home_stage], local.total)
     fill = np.array([s for s in range(S) if s != home_stage], dtype=np.int64)  # earliest gap first
@@ -215,6 +216,5 @@ def backward_time(stage_bwd: np.ndarray, compute_bwd: np.ndarray, rank: np.ndarr
     overlapped backward time); ``compute_bwd``: per-tile backward seconds, ``local``: their LocalWork."""
     spread = spread_backward_local(stage_bwd, compute_bwd, rank, local, comm_bwd, world_size=world_size,
                                    num_stages=num_stages)
-    per = np.bincount(rank * num_stages + spread, weights=compute_bwd,
-                      minlength=world_size * num_stages).reshape(world_size, num_stages)
+    per = per_rank_and_stage(rank, spread, compute_bwd, world_size, num_stages)
     return spread, float(cost_model.overlapped_time(per, comm_bwd).max())

@@ -243,3 +243,16 @@ def class_rule_stages(q, kv, rank, home, num_stages):
         else:
             out[i] = local_stage
     return out
+
+
+@compiled
+def stage_loads(rank, stage, seconds, world_size, width):
+    """float64 [P, width]: ``seconds`` summed per (rank, stage) of the tiles, in tile order (the floats of
+    ``np.bincount(rank * width + stage, weights=seconds)``, without its key and temporaries)."""
+    out = np.zeros((world_size, width))
+    for i in range(rank.size):
+        r, s = rank[i], stage[i]
+        if r < 0 or r >= world_size or s < 0 or s >= width:
+            raise ValueError("stage_loads: a tile's rank or stage is out of range")
+        out[r, s] += seconds[i]
+    return out

@@ -76,3 +76,27 @@ def test_backward_class_rule(seed, num_blocks, world_size, num_tiles, num_stages
     expected = np.where(home[q] != rank, min(1, last), np.where(home[kv] != rank, 0, min(2, last)))
     got = backward_stages(q, kv, rank, home, num_stages)
     assert got.dtype == np.int64 and np.array_equal(got, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(**PLACEMENTS)
+def test_per_rank_and_stage_sums_as_bincount_does(seed, num_blocks, world_size, num_tiles, num_stages):
+    from blockattn.planner.placement import per_rank_and_stage
+
+    q, _, rank, _, stage = _placement(seed, num_blocks, world_size, num_tiles, num_stages)
+    seconds = np.random.default_rng(seed + 1).exponential(1e-6, q.size)
+    got = per_rank_and_stage(rank, stage, seconds, world_size, num_stages)
+    expected = np.bincount(rank * num_stages + stage, weights=seconds,
+                           minlength=world_size * num_stages).reshape(world_size, num_stages)
+    assert np.array_equal(got, expected)  # (bit for bit: the same sums in the same order)
+
+
+def test_per_rank_and_stage_refuses_a_stage_out_of_range():
+    import pytest
+
+    from blockattn.planner.placement import per_rank_and_stage
+
+    with pytest.raises(ValueError, match="out of range"):
+        per_rank_and_stage(np.array([0, 1]), np.array([0, 3]), np.ones(2), 2, 3)
+    with pytest.raises(ValueError, match="out of range"):
+        per_rank_and_stage(np.array([0, 2]), np.array([0, 1]), np.ones(2), 2, 3)
