@@ -66,6 +66,7 @@ import numpy as np
 
 from . import balance_moves as moves
 from .balance_moves import BalancerState, MoveRule
+from .placement import weighted_bincount
 from .schedule import KIND_KV, KIND_OUT, KIND_Q, payload_bytes
 from .tiles import TileSet
 
@@ -176,7 +177,7 @@ def balanced_ranks(tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_
 
 def _load_and_cap(rank: np.ndarray, compute: np.ndarray, world_size: int) -> tuple:
     """(per-rank compute [P], its mean, the cap donors shed down to) of tile ranks ``rank``."""
-    load = np.bincount(rank, weights=compute, minlength=world_size)
+    load = weighted_bincount(rank, compute, world_size)
     mean = load.sum() / world_size
     return load, mean, mean * (1 + BALANCE_SLACK)
 

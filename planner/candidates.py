@@ -21,7 +21,7 @@ import numpy as np
 from .balance import balanced_ranks, pushed_rows
 from .cost_model import CostModel, Topology
 from .finish import Finisher, finish_placement
-from .placement import Placement, per_rank_and_stage
+from .placement import Placement, per_rank_and_stage, weighted_bincount
 from .relay import add_relays, add_transit
 from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, payload_bytes, row_bytes
 from .stages import assign_stages
@@ -95,7 +95,7 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
             table, tiles.block_lengths(), world_size, S, **sizes)
 
     if beat is not None:
-        busiest_bwd = np.bincount(placement.tile_rank, weights=compute_bwd, minlength=world_size).max()
+        busiest_bwd = weighted_bincount(placement.tile_rank, compute_bwd, world_size).max()
         forward = cost_model.overlapped_time(*load_and_comm(placement.tile_stage, flops / cost_model.fwd_rate, "fwd"))
         if float(forward.max() + busiest_bwd) >= beat:
             return placement
@@ -162,7 +162,7 @@ def moved_bytes(tiles: TileSet, home: np.ndarray, rank: np.ndarray, sizes: dict)
 def _time_floor(rank: np.ndarray, flops: np.ndarray, world_size: int, cost_model: CostModel) -> float:
     """A floor under a plan's simulated forward + backward time: its busiest rank's compute (``flops``:
     each tile's forward FLOPs)."""
-    busiest = np.bincount(rank, weights=flops, minlength=world_size).max() / cost_model.fwd_rate
+    busiest = weighted_bincount(rank, flops, world_size).max() / cost_model.fwd_rate
     return float((1 + cost_model.bwd_flops_factor) * busiest)
 
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .fcp_pack import cut_pieces, pack_pieces
-from .placement import Placement, compact_stages, prefix_sums
+from .placement import Placement, compact_stages, prefix_sums, weighted_bincount
 from .stages import assign_stages
 from .tiles import TileSet, boundary_crossings
 
@@ -146,7 +146,7 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     if P == 1 or nB == 0:
         return np.zeros(nB, dtype=np.int64)
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
-    block_flops = np.bincount(tiles.q, weights=flops, minlength=nB)
+    block_flops = weighted_bincount(tiles.q, flops, nB)
     prefix = prefix_sums(block_flops)
     per_rank = -(-nB // int(weight.sum()))
     cap = (per_rank * weight).astype(np.int64)

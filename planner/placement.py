@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import tile_loops
-from .tile_loops import renumbered, stage_loads
+from .tile_loops import key_sums, renumbered, stage_loads
 
 
 @dataclass(frozen=True)
@@ -105,3 +105,9 @@ def per_rank_and_stage(rank: np.ndarray, stage: np.ndarray, seconds: np.ndarray,
     the same floats as a bincount over ``rank * width + stage``)."""
     return stage_loads(np.asarray(rank, dtype=np.int64), np.asarray(stage, dtype=np.int64),
                        np.asarray(seconds, dtype=np.float64), int(world_size), int(width))
+
+
+def weighted_bincount(keys: np.ndarray, weights: np.ndarray, size: int) -> np.ndarray:
+    """``np.bincount(keys, weights=weights, minlength=size)`` for keys in [0, size), compiled
+    (``key_sums``; the same floats); a key out of range raises ValueError."""
+    return key_sums(np.asarray(keys, dtype=np.int64), np.asarray(weights, dtype=np.float64), int(size))

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import group_loops
 from .cost_model import CostModel
-from .placement import first_occurrence, per_rank_and_stage, run_heads
+from .placement import first_occurrence, per_rank_and_stage, run_heads, weighted_bincount
 from .schedule import KIND_KV, KIND_Q, payload_bytes
 from .stage_cuts import max_over_items, stage_items
 from .tile_loops import group_by_rank, pour
@@ -80,11 +80,11 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
         raise ValueError(f"both_ends stages all ranks with one budget_scale, got {budget_scale!r}")
 
     # Credit each item with the compute it unlocks (half when the tile needs two remote items).
-    credit = np.bincount(item_of, weights=compute_time[tile_idx] / needs[tile_idx], minlength=keys.size)
+    credit = weighted_bincount(item_of, compute_time[tile_idx] / needs[tile_idx], keys.size)
     order = np.lexsort((item_block, item_kind, -credit / item_time, item_rank))
     position = np.empty(keys.size, dtype=np.int64)
     position[order] = np.arange(keys.size)
-    local_compute = np.bincount(rank[~remote], weights=compute_time[~remote], minlength=world_size)
+    local_compute = weighted_bincount(rank[~remote], compute_time[~remote], world_size)
     item_stage = _stage_items_both_ends(order, item_rank, home[item_block], inter, item_time, item_of, tile_idx,
                                         remote_q, compute_time, local_compute, tile_rank=rank,
                                         world_size=world_size, max_stages=max_stages, budget_scale=budget_scale)
@@ -117,7 +117,7 @@ def _stage_items_both_ends(order, receiver, sender, inter, item_time, item_of, t
         pending = pending[~fits]
         # the next budget: compute of the remote tiles whose last item arrives in this stage
         now = max_over_items(n, tile_idx, placed[item_of], num_q_entries, -1) == s
-        budget = np.bincount(tile_rank[now], weights=compute_time[now], minlength=P)
+        budget = weighted_bincount(tile_rank[now], compute_time[now], P)
     return item_stage
 
 
@@ -171,7 +171,7 @@ def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, i
     if not gaps.any():
         return stage  # (as _pour would: nothing exposed to fill)
     local0 = is_local & (stage == 0)
-    movable = np.bincount(rank[local0], weights=seconds[local0], minlength=world_size) - comm_time[:, 0]
+    movable = weighted_bincount(rank[local0], seconds[local0], world_size) - comm_time[:, 0]
     # the last local tiles of a rank leave stage 0 first, into the latest gap first
     fill = np.arange(last, 0, -1)
     return _pour(stage, LocalWork(np.flatnonzero(local0)[::-1], rank, seconds, world_size), gaps[:, fill - 1],
@@ -243,7 +243,7 @@ class LocalWork:
     def __init__(self, tiles: np.ndarray, rank: np.ndarray, seconds: np.ndarray, world_size: int):
         self.tiles, self._rank_of, self._seconds, self._world_size = tiles, rank, seconds, world_size
         # (bincount adds each bin's weights in input order, the grouped order's per rank: the same sums)
-        self.total = np.bincount(rank[tiles], weights=seconds[tiles], minlength=world_size)
+        self.total = weighted_bincount(rank[tiles], seconds[tiles], world_size)
 
     @cached_property
     def grouped(self) -> tuple:

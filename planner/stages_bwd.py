@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .placement import per_rank_and_stage
+from .placement import per_rank_and_stage, weighted_bincount
 from .cost_model import CostModel
 from .stages import LocalWork, _dense_unique, _grouped_cumsum, _pour
 from .tile_loops import class_rule_stages
@@ -70,7 +70,7 @@ def _stage0_remote_kv_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray
     if idx.size == 0:
         return None
     groups, of_tile = _dense_unique(rank[idx] * nB + (nB - 1 - kv[idx]))
-    return idx, of_tile, groups // nB, np.bincount(of_tile, weights=compute[idx], minlength=groups.size)
+    return idx, of_tile, groups // nB, weighted_bincount(of_tile, compute[idx], groups.size)
 
 
 def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,

@@ -100,3 +100,14 @@ def test_per_rank_and_stage_refuses_a_stage_out_of_range():
         per_rank_and_stage(np.array([0, 1]), np.array([0, 3]), np.ones(2), 2, 3)
     with pytest.raises(ValueError, match="out of range"):
         per_rank_and_stage(np.array([0, 2]), np.array([0, 1]), np.ones(2), 2, 3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), size=st.integers(1, 30), n=st.integers(0, 500))
+def test_weighted_bincount_sums_as_numpy_does(seed, size, n):
+    from blockattn.planner.placement import weighted_bincount
+
+    rng = np.random.default_rng(seed)
+    keys = np.sort(rng.integers(0, size, n)) if seed % 2 else rng.integers(0, size, n)  # (runs, and none)
+    weights = rng.exponential(1.0, n) if seed % 3 else rng.integers(0, 1 << 20, n)  # (floats, and ints)
+    assert np.array_equal(weighted_bincount(keys, weights, size), np.bincount(keys, weights=weights, minlength=size))
