@@ -41,6 +41,7 @@ import torch
 
 from .placement import run_heads
 from .group_loops import group_stages, group_tiles
+from .sort_loops import rows_in_wire_order
 from .tile_loops import covered_rows_and_columns, real_groups
 
 KIND_Q, KIND_KV, KIND_OUT, KIND_DO, KIND_DQ, KIND_DKV = range(6)
@@ -243,16 +244,12 @@ def _sorted_table(parts: list[np.ndarray]) -> torch.Tensor:
     table = np.concatenate(parts, axis=0) if parts else np.zeros((0, 5), dtype=np.int64)
     if table.shape[0] == 0:
         return torch.zeros((0, 5), dtype=torch.int32)
-    # Lexicographic order of the 5 columns: one argsort of a mixed-radix int64 key when it fits (the
-    # common case; several times faster than lexsort), lexsort otherwise. Same order either way.
-    radix = table.max(axis=0) + 1
-    if table.min() >= 0 and float(np.prod(radix.astype(np.float64))) < 2.0**62:
-        key = table[:, 0]
-        for c in range(1, 5):
-            key = key * radix[c] + table[:, c]
-        order = np.argsort(key, kind="stable")
-    else:
-        order = np.lexsort(tuple(table[:, c] for c in (4, 3, 2, 1, 0)))
+    # Lexicographic order of the 5 columns, ties in row order: stable counting passes, compiled (the
+    # common case: rows are non-negative); lexsort otherwise. Same order either way.
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    if table.min() >= 0:
+        return torch.from_numpy(rows_in_wire_order(table))
+    order = np.lexsort(tuple(table[:, c] for c in (4, 3, 2, 1, 0)))
     return torch.from_numpy(np.ascontiguousarray(table[order]).astype(np.int32))
 
 

@@ -69,3 +69,29 @@ def counting_order(keys, num_keys):
         order[start[keys[i]]] = i
         start[keys[i]] += 1
     return order
+
+
+@compiled
+def rows_in_wire_order(table):
+    """int32 [m, 5]: the rows of a non-negative int64 schedule table [m, 5] in lexicographic order of
+    their columns, ties in table order (numpy's stable argsort of the mixed-radix key, or lexsort):
+    one stable counting pass per column, last column first."""
+    m = table.shape[0]
+    order = np.empty(m, dtype=np.int64)
+    for i in range(m):
+        order[i] = i
+    keys = np.empty(m, dtype=np.int64)
+    for c in range(4, -1, -1):
+        top = 0
+        for i in range(m):
+            keys[i] = table[order[i], c]
+            top = max(top, keys[i])
+        by_column = counting_order(keys, top + 1)
+        previous = order.copy()
+        for i in range(m):
+            order[i] = previous[by_column[i]]
+    out = np.empty((m, 5), dtype=np.int32)
+    for i in range(m):
+        for c in range(5):
+            out[i, c] = table[order[i], c]
+    return out
