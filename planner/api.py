@@ -19,7 +19,7 @@ from .cost_model import CostModel, Topology
 from .finish import finish_placement
 from .placement import Placement, positions_by_key, stage_renumbering
 from .plan import Plan
-from .schedule import as_relay_table, derive_schedule
+from .schedule import CommSchedule, as_relay_table, derive_schedule
 from .tiles import TileSet, forget_tile_sets
 
 DEFAULT_BLOCK_SIZE = 128
@@ -222,6 +222,8 @@ def _nbytes(obj) -> int:
         return obj.nbytes
     if isinstance(obj, (tuple, list)):
         return sum(_nbytes(item) for item in obj)
+    if isinstance(obj, CommSchedule):
+        return _nbytes((obj.fwd, obj.bwd))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return sum(_nbytes(getattr(obj, field.name)) for field in dataclasses.fields(obj))
     return 0

@@ -155,7 +155,13 @@ def test_the_plan_cache_keeps_to_its_byte_budget_and_always_the_newest_plan(monk
     specs = [MaskSpec.causal(600 + i) for i in range(3)]
     first = make_plan(specs[0], 2, **HEADS)
     size = api._nbytes(first)
-    assert size > first.tile_q.numel() * 4  # (counts the index tensors and the schedule's tables)
+    import dataclasses
+
+    tensors = [getattr(first, f.name) for f in dataclasses.fields(first)]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)] + list(first.local_blocks)
+    tables = [first.schedule.fwd, first.schedule.bwd]
+    assert tables[0].numel() > 0
+    assert size == sum(t.numel() * t.element_size() for t in tensors + tables)  # (the schedule's tables too)
     monkeypatch.setattr(api, "_CACHE_BYTES", int(2.5 * size))
     second, third = (make_plan(spec, 2, **HEADS) for spec in specs[1:])
     assert make_plan(specs[2], 2, **HEADS) is third and make_plan(specs[1], 2, **HEADS) is second
