@@ -180,9 +180,16 @@ def pour(stage, order, ranks, end, total, gaps, movable, fill):
         for i in range(F):
             flat[r * F + i] = upto[r, i] + shift * r
     out = stage
+    # a tile's gap is searchsorted(flat, end + shift * r, "left") - r * F; within a rank the ends grow,
+    # and so does that position: one pointer per rank walks the rank's row instead of a search per tile
+    i, previous = 0, -1
     for j in range(order.size):
         r = ranks[j]
-        i = np.searchsorted(flat, end[j] + shift * r, side="left") - r * F
+        if r != previous:
+            i, previous = 0, r
+        target = end[j] + shift * r
+        while i < F and flat[r * F + i] < target:
+            i += 1
         if i < F:
             if out is stage:
                 out = stage.copy()
