@@ -20,7 +20,7 @@ from .sort_loops import counting_order
 
 
 @compiled
-def _by_rank_and_block(tiles, rank, block):
+def by_rank_and_block(tiles, rank, block):
     """``tiles`` stably ordered by (rank, block) of each tile, by two counting passes."""
     n = tiles.size
     if n == 0:
@@ -48,7 +48,7 @@ def _by_rank_and_block(tiles, rank, block):
 def group_tiles(rank, block, tiles):
     """(``tiles`` ordered by (rank, block), each group's first position, each group's rank and block):
     planner/schedule.py ``_grouping``, groups ascending by ``rank * nB + block``."""
-    order = _by_rank_and_block(tiles, rank, block)
+    order = by_rank_and_block(tiles, rank, block)
     n = order.size
     heads = np.empty(n, dtype=np.int64)
     group_rank = np.empty(n, dtype=np.int64)
@@ -91,7 +91,7 @@ def own_row_movable(q, kv, stage, rank, home):
         if home[kv[i]] != rank[i]:
             remote[m] = i
             m += 1
-    order = _by_rank_and_block(remote[:m], rank, kv)
+    order = by_rank_and_block(remote[:m], rank, kv)
     i = 0
     while i < m:
         t = order[i]

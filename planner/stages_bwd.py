@@ -16,10 +16,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .placement import per_rank_and_stage, weighted_bincount
+from .backward_loops import class_rule_stages, split_stage0_groups
 from .cost_model import CostModel
+from .placement import per_rank_and_stage, weighted_bincount
 from .stages import LocalWork, _dense_unique, _grouped_cumsum, _pour
-from .tile_loops import class_rule_stages
 
 # ``defer_backward_groups``: the share of each exposed backward gap a rank's deferred groups fill, and
 # the rounds tried per phase (each kept only where faster). Over the 57 multi-node evaluation cases
@@ -80,19 +80,11 @@ def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank
     groups of stage-0 tiles, latest kv-blocks first, move to stage 1 - up to half the smaller of gap
     and surplus, since each moved group's partial also moves on to exchange 2. ``compute``: per-tile
     backward seconds; ``comm_time`` [P, S + 1]: backward transfer time per exchange."""
-    S, P = num_stages, world_size
-    if S < 3:
+    if num_stages < 3:
         return stage
-    per_stage = per_rank_and_stage(rank, stage, compute, P, S)
-    take = np.minimum(comm_time[:, 1] - per_stage[:, 1], per_stage[:, 0] - comm_time[:, 0]) / 2
-    found = _stage0_remote_kv_groups(stage, kv, rank, home, compute, take > 0)
-    if found is None:
-        return stage
-    idx, of_tile, group_rank, group_c = found
-    chosen = _grouped_cumsum(group_rank, group_c) <= take[group_rank]
-    stage = stage.copy()
-    stage[idx[chosen[of_tile]]] = 1
-    return stage
+    return split_stage0_groups(*(np.asarray(x, dtype=np.int64) for x in (stage, kv, rank, home)),
+                               np.asarray(compute, dtype=np.float64), np.ascontiguousarray(comm_time, dtype=np.float64),
+                               int(world_size), int(num_stages))  # (compiled: planner/backward_loops.py)
 
 
 def defer_backward_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,

@@ -236,23 +236,6 @@ def real_groups(covered, order, heads, stage, stage_bwd, group_rank, group_block
 
 
 @compiled
-def class_rule_stages(q, kv, rank, home, num_stages):
-    """planner/stages_bwd.py ``backward_stages``: remote q-block -> stage 1, else remote kv-block -> 0,
-    else 2 (each at most the last stage)."""
-    last = max(num_stages - 1, 0)
-    remote_q_stage, remote_kv_stage, local_stage = min(1, last), 0, min(2, last)
-    out = np.empty(q.size, dtype=np.int64)
-    for i in range(q.size):
-        if home[q[i]] != rank[i]:
-            out[i] = remote_q_stage
-        elif home[kv[i]] != rank[i]:
-            out[i] = remote_kv_stage
-        else:
-            out[i] = local_stage
-    return out
-
-
-@compiled
 def stage_loads(rank, stage, seconds, world_size, width):
     """float64 [P, width]: ``seconds`` summed per (rank, stage) of the tiles, in tile order (the floats of
     ``np.bincount(rank * width + stage, weights=seconds)``, without its key and temporaries)."""

@@ -1,5 +1,6 @@
-"""The compiled (rank, block) groupings (planner/group_loops.py) and the backward class rule
-(planner/tile_loops.py ``class_rule_stages``) against their numpy definitions, on random placements."""
+"""The planner's compiled loops against their numpy definitions, on random placements: the (rank,
+block) groupings (planner/group_loops.py), the backward class rule and its split
+(planner/backward_loops.py), and the per-(rank, stage) and weighted sums (planner/tile_loops.py)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,41 @@ def test_weighted_bincount_sums_as_numpy_does(seed, size, n):
     keys = np.sort(rng.integers(0, size, n)) if seed % 2 else rng.integers(0, size, n)  # (runs, and none)
     weights = rng.exponential(1.0, n) if seed % 3 else rng.integers(0, 1 << 20, n)  # (floats, and ints)
     assert np.array_equal(weighted_bincount(keys, weights, size), np.bincount(keys, weights=weights, minlength=size))
+
+
+def _split_numpy(stage, kv, rank, home, compute, comm_time, world_size, num_stages):
+    """The numpy form ``split_backward_stages`` had before it was compiled."""
+    P, S, nB = world_size, num_stages, home.size
+    per = np.bincount(rank * S + stage, weights=compute, minlength=P * S).reshape(P, S)
+    take = np.minimum(comm_time[:, 1] - per[:, 1], per[:, 0] - comm_time[:, 0]) / 2
+    idx = np.flatnonzero((stage == 0) & (home[kv] != rank) & (take > 0)[rank])
+    if idx.size == 0:
+        return stage
+    groups, of_tile = np.unique(rank[idx] * nB + (nB - 1 - kv[idx]), return_inverse=True)
+    group_rank = groups // nB
+    group_c = np.bincount(of_tile, weights=compute[idx], minlength=groups.size)
+    cum = np.cumsum(group_c)
+    heads = np.r_[True, group_rank[1:] != group_rank[:-1]]
+    group_start = np.maximum.accumulate(np.where(heads, np.arange(groups.size), 0))
+    chosen = cum - (cum - group_c)[group_start] <= take[group_rank]
+    out = stage.copy()
+    out[idx[chosen[of_tile]]] = 1
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(**PLACEMENTS)
+def test_split_backward_stages_is_its_numpy_form(seed, num_blocks, world_size, num_tiles, num_stages):
+    from blockattn.planner.stages_bwd import split_backward_stages
+
+    q, kv, rank, home, _ = _placement(seed, num_blocks, world_size, num_tiles, num_stages)
+    rng = np.random.default_rng(seed + 2)
+    stage = backward_stages(q, kv, rank, home, num_stages)
+    compute = rng.exponential(1e-6, q.size)
+    # (transfers on the scale of a rank's compute: exchange 1 exposed on some ranks, hidden on others)
+    comm_time = rng.exponential(max(compute.sum(), 1e-6) / world_size, (world_size, num_stages + 1))
+    got = split_backward_stages(stage, q, kv, rank, home, compute, comm_time, world_size=world_size,
+                                num_stages=num_stages)
+    want = stage if num_stages < 3 else _split_numpy(stage, kv, rank, home, compute, comm_time, world_size, num_stages)
+    assert np.array_equal(got, want)
+    assert np.array_equal(stage, backward_stages(q, kv, rank, home, num_stages))  # (the input is not written)
