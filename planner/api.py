@@ -8,6 +8,7 @@ batches with the same mask cost one dictionary lookup.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import OrderedDict
 
 import numpy as np
@@ -215,7 +216,9 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
 
 
 def _nbytes(obj) -> int:
-    """Bytes of the tensors and arrays in ``obj`` (a Plan: its fields, its schedule's tables)."""
+    """Bytes of the tensors and arrays in ``obj`` (a Plan: its tensor fields, ``local_blocks`` and its
+    schedule's tables). A Plan's other fields (sizes, names, the cost model, the search record) hold
+    none and are not walked: that walk was ~0.1 ms of a 5 ms plan."""
     if isinstance(obj, torch.Tensor):
         return obj.element_size() * obj.numel()
     if isinstance(obj, np.ndarray):
@@ -224,9 +227,19 @@ def _nbytes(obj) -> int:
         return sum(_nbytes(item) for item in obj)
     if isinstance(obj, CommSchedule):
         return _nbytes((obj.fwd, obj.bwd))
+    if isinstance(obj, Plan):
+        return sum(_nbytes(getattr(obj, name)) for name in _plan_array_fields())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return sum(_nbytes(getattr(obj, field.name)) for field in dataclasses.fields(obj))
     return 0
+
+
+@functools.lru_cache(maxsize=1)
+def _plan_array_fields() -> tuple:
+    """The Plan fields that may hold tensors: those not typed as a scalar, a name, a dtype, the cost
+    model or the search record."""
+    skip = {"str", "int", "float", "bool", "torch.dtype", "CostModel", "tuple"}
+    return tuple(f.name for f in dataclasses.fields(Plan) if f.type not in skip or f.name == "local_blocks")
 
 
 def clear_plan_cache() -> None:
