@@ -23,6 +23,7 @@ from .placement import Placement, compact_stages, prefix_sums, weighted_bincount
 from .relay import add_relays
 from .schedule import derive_schedule_merged
 from .starts import hot_rows
+from .tile_loops import inherit_merged
 from .tiles import TileSet, coarsen
 
 # Initial data placements tried, in order of how often each won in bench/bench_planner.py runs; the
@@ -123,16 +124,21 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
             # the bound within +-0.06% (geomean 1.0158 -> 1.0159). On several nodes every fine plan is
             # finished and scored again anyway.
             inherit = world_size <= cost_model.topology.ranks_per_node and plan.tile_stage_bwd is not None
-            fine = Placement(block_home=plan.block_home[np.arange(tiles.num_blocks) // factor],
-                             tile_rank=plan.tile_rank[of_fine], tile_stage=plan.tile_stage[of_fine],
-                             tile_stage_bwd=plan.tile_stage_bwd[of_fine] if inherit else None)
+            block_home = plan.block_home[np.arange(tiles.num_blocks) // factor]
+            if inherit:  # (the gathers and the covering the merged schedule needs, in one pass)
+                *inherited, covered = _inherited(tiles, of_fine, factor, coarse, plan)
+                fine = Placement(block_home=block_home, tile_rank=inherited[0], tile_stage=inherited[1],
+                                 tile_stage_bwd=inherited[2])
+            else:
+                fine = Placement(block_home=block_home, tile_rank=plan.tile_rank[of_fine],
+                                 tile_stage=plan.tile_stage[of_fine])
             # relays found on merged blocks do not carry over (the fine schedule is derived afresh)
             unrelayed = fine
             if relays:
                 fine = add_relays(tiles, fine, world_size=world_size, cost_model=cost_model, max_stages=max_stages,
                                   sizes=sizes)
             if inherit and fine is unrelayed:
-                fine = _with_merged_schedule(tiles, coarse, of_fine, factor, fine, plan, world_size)
+                fine = _with_merged_schedule(tiles, coarse, of_fine, factor, fine, plan, world_size, covered)
             fines.append(fine)
         return fines if every_finalist else fines[0]
     if second_opinion is not None:
@@ -203,8 +209,18 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
     return min(finalists, key=lambda item: item[0].sim_time)[0]
 
 
+def _inherited(tiles: TileSet, of_fine: np.ndarray, factor: int, coarse: TileSet, plan: Placement) -> tuple:
+    """(rank, stage, backward stage) of every real tile, its merged tile's in ``plan``, and which real
+    rows and columns each merged tile covers (planner/tile_loops.py ``inherit_merged``)."""
+    rank, stage, stage_bwd = (np.asarray(x, dtype=np.int64) for x in (plan.tile_rank, plan.tile_stage,
+                                                                       plan.tile_stage_bwd))
+    rank, stage, stage_bwd, rows, columns = inherit_merged(tiles.q, tiles.kv, of_fine, factor.bit_length() - 1,
+                                                           coarse.num_tiles, rank, stage, stage_bwd, True)
+    return rank, stage, stage_bwd, (rows, columns)
+
+
 def _with_merged_schedule(tiles: TileSet, coarse: TileSet, of_fine: np.ndarray, factor: int, fine: Placement,
-                          plan: Placement, world_size: int) -> Placement:
+                          plan: Placement, world_size: int, covered: tuple) -> Placement:
     """``fine`` (real tiles with the merged ``plan``'s ranks and both stages, no relays) with its schedule,
     derived from the merged tiles (planner/schedule.py ``derive_schedule_merged``) where its stages are
     compact already, as make_plan would have them; else as it is (make_plan derives it). Same schedules
@@ -216,7 +232,7 @@ def _with_merged_schedule(tiles: TileSet, coarse: TileSet, of_fine: np.ndarray, 
         return fine
     schedule = derive_schedule_merged(tiles, coarse, of_fine, factor, plan.block_home, plan.tile_rank,
                                       plan.tile_stage, plan.tile_stage_bwd, num_stages=num_stages,
-                                      world_size=world_size)
+                                      world_size=world_size, covered=covered)
     return replace(fine, schedule=schedule)
 
 

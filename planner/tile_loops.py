@@ -83,14 +83,30 @@ def covered_rows_and_columns(q, kv, of_real, shift, num_merged_tiles):
     """bool [merged tiles * factor] twice: which of each merged tile's ``factor`` real rows (q), and
     which of its real columns (kv), hold a real tile (row-major: merged tile t, position j at
     t * factor + j)."""
-    factor = 1 << shift
+    empty = np.zeros(0, dtype=np.int64)
+    return inherit_merged(q, kv, of_real, shift, num_merged_tiles, empty, empty, empty, False)[3:]
+
+
+@compiled
+def inherit_merged(q, kv, of_real, shift, num_merged_tiles, rank, stage, stage_bwd, gather):
+    """(rank, stage, backward stage) of every real tile, its merged tile's (``gather``; else empty), and
+    ``covered_rows_and_columns``, in one pass over the real tiles (the gathers and the covering each
+    read every real tile's merged tile)."""
+    n, factor = q.size, 1 << shift
+    size = n if gather else 0
+    out_rank = np.empty(size, dtype=np.int64)
+    out_stage = np.empty(size, dtype=np.int64)
+    out_bwd = np.empty(size, dtype=np.int64)
     rows = np.zeros(num_merged_tiles * factor, dtype=np.bool_)
     columns = np.zeros(num_merged_tiles * factor, dtype=np.bool_)
-    for i in range(q.size):
-        at = of_real[i] << shift
+    for i in range(n):
+        t = of_real[i]
+        if gather:
+            out_rank[i], out_stage[i], out_bwd[i] = rank[t], stage[t], stage_bwd[t]
+        at = t << shift
         rows[at | (q[i] & (factor - 1))] = True
         columns[at | (kv[i] & (factor - 1))] = True
-    return rows, columns
+    return out_rank, out_stage, out_bwd, rows, columns
 
 
 @compiled
