@@ -215,6 +215,12 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     return plan
 
 
+def _int_column(values) -> np.ndarray:
+    """A placement's tile column as it is where int32 or int64, else as int64."""
+    values = np.asarray(values)
+    return values if values.dtype in (np.int32, np.int64) else values.astype(np.int64)
+
+
 def _nbytes(obj) -> int:
     """Bytes of the tensors and arrays in ``obj`` (a Plan: its tensor fields, ``local_blocks`` and its
     schedule's tables). A Plan's other fields (sizes, names, the cost model, the search record) hold
@@ -255,8 +261,9 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
                cost_model: CostModel, grad_comm_dtype: torch.dtype = torch.float32) -> Plan:
     """Turn a strategy's Placement into a Plan (stages compacted, schedule derived with its relays)."""
     home = np.asarray(placement.block_home, dtype=np.int64)
-    rank = np.asarray(placement.tile_rank, dtype=np.int64)
-    planned_stage = np.asarray(placement.tile_stage, dtype=np.int64)
+    # (int64 or int32 tile columns, as the placement has them: only a derivation below needs int64)
+    rank = _int_column(placement.tile_rank)
+    planned_stage = _int_column(placement.tile_stage)
     remap, num_stages, renumbered = stage_renumbering(planned_stage)
     stage = planned_stage if not renumbered else remap[planned_stage]
     relay = as_relay_table(placement.kv_relay)
@@ -266,6 +273,7 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
         # where the backward's transfers would be exposed; the forward stages stay as planned
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize)
+        rank, stage = (np.asarray(x, dtype=np.int64) for x in (rank, stage))
         done = finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes,
                                 kv_relay=relay if relay.shape[0] else None, spread_forward=False, score=False)
         schedule, stage_bwd = done.schedule, done.tile_stage_bwd

@@ -210,8 +210,9 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
 
 
 def _inherited(tiles: TileSet, of_fine: np.ndarray, factor: int, coarse: TileSet, plan: Placement) -> tuple:
-    """(rank, stage, backward stage) of every real tile, its merged tile's in ``plan``, and which real
-    rows and columns each merged tile covers (planner/tile_loops.py ``inherit_merged``)."""
+    """(rank, stage, backward stage) of every real tile, its merged tile's in ``plan`` (int32: this
+    placement goes to make_plan as it is), and which real rows and columns each merged tile covers
+    (planner/tile_loops.py ``inherit_merged``)."""
     rank, stage, stage_bwd = (np.asarray(x, dtype=np.int64) for x in (plan.tile_rank, plan.tile_stage,
                                                                        plan.tile_stage_bwd))
     rank, stage, stage_bwd, rows, columns = inherit_merged(tiles.q, tiles.kv, of_fine, factor.bit_length() - 1,

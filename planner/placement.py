@@ -18,6 +18,8 @@ from .tile_loops import key_sums, renumbered, stage_loads
 class Placement:
     """What a strategy decides; ``make_plan`` turns it into a Plan (schedule derived, checked)."""
 
+    # (tile columns int64; a one-node plan inherited from merged blocks, which is final, hands make_plan
+    # int32 columns, the Plan's own dtype: planner/first_pass.py ``_inherited``)
     block_home: np.ndarray  # int64 [nB]
     tile_rank: np.ndarray  # int64 [ntiles]
     tile_stage: np.ndarray  # int64 [ntiles]
@@ -56,7 +58,7 @@ def compact_stages(stage: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def stage_renumbering(stage: np.ndarray) -> tuple:
-    """(remap, num_stages, changed) of int64 ``stage``: ``compact_stages(stage)[0]`` is ``remap[stage]``,
+    """(remap, num_stages, changed) of int64 or int32 ``stage``: ``compact_stages(stage)[0]`` is ``remap[stage]``,
     and differs from ``stage`` exactly where ``changed``; remap None for an empty tile list."""
     if stage.size == 0:
         return None, 1, False

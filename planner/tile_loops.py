@@ -91,12 +91,13 @@ def covered_rows_and_columns(q, kv, of_real, shift, num_merged_tiles):
 def inherit_merged(q, kv, of_real, shift, num_merged_tiles, rank, stage, stage_bwd, gather):
     """(rank, stage, backward stage) of every real tile, its merged tile's (``gather``; else empty), and
     ``covered_rows_and_columns``, in one pass over the real tiles (the gathers and the covering each
-    read every real tile's merged tile)."""
+    read every real tile's merged tile). The gathered columns are int32, as the Plan holds them: a
+    one-node plan on merged blocks is final once inherited (half the bytes written, no conversion)."""
     n, factor = q.size, 1 << shift
     size = n if gather else 0
-    out_rank = np.empty(size, dtype=np.int64)
-    out_stage = np.empty(size, dtype=np.int64)
-    out_bwd = np.empty(size, dtype=np.int64)
+    out_rank = np.empty(size, dtype=np.int32)
+    out_stage = np.empty(size, dtype=np.int32)
+    out_bwd = np.empty(size, dtype=np.int32)
     rows = np.zeros(num_merged_tiles * factor, dtype=np.bool_)
     columns = np.zeros(num_merged_tiles * factor, dtype=np.bool_)
     for i in range(n):
