@@ -23,7 +23,7 @@ from .cost_model import CostModel, Topology
 from .finish import Finisher, finish_placement
 from .placement import Placement, per_rank_and_stage, weighted_bincount
 from .relay import add_relays, add_transit
-from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, payload_bytes, row_bytes
+from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, bytes_per_token, payload_bytes, row_bytes
 from .stages import assign_stages
 from .stages_bwd import defer_backward_groups, defer_variant_sets
 from .starts import contiguous_cut_home, dealt_home, hierarchical_home, spread_read_blocks
@@ -152,10 +152,11 @@ def moved_bytes(tiles: TileSet, home: np.ndarray, rank: np.ndarray, sizes: dict)
     per remote q-block a rank computes tiles of, Q, OUT, dO and dQ; per remote kv-block, KV and dK/dV."""
     block_len = tiles.block_lengths()
     world_size = int(rank.max()) + 1 if rank.size else 1
+    per_token = bytes_per_token(**sizes)
     total = 0.0
     for blocks, kinds in ((tiles.q, (KIND_Q, KIND_OUT, KIND_DO, KIND_DQ)), (tiles.kv, (KIND_KV, KIND_DKV))):
         tokens = float(remote_tokens(blocks, home, rank, block_len, world_size))
-        total += tokens * sum(float(payload_bytes(kind, 1, **sizes)) for kind in kinds)
+        total += tokens * float(sum(int(per_token[kind]) for kind in kinds))
     return total
 
 

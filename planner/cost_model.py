@@ -25,19 +25,17 @@ Model (stated once, used by ``Plan.stats()`` and by the dcp stage splitter):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from .comm_loops import exchange_times
-from .schedule import KIND_DO, KIND_KV, KIND_NAMES, KIND_Q, payload_bytes
+from .schedule import KIND_DO, KIND_KV, KIND_NAMES, KIND_Q, bytes_per_token
 
 # Q, KV, DO travel one exchange before their stage; by kind (a lookup: np.isin per call costs more
 # than the rest of stage_comm_time)
 _IS_INPUT = np.isin(np.arange(len(KIND_NAMES)), (KIND_Q, KIND_KV, KIND_DO))
 _IS_INPUT_INT = _IS_INPUT.astype(np.int64)
-_KINDS = np.arange(len(KIND_NAMES))
 
 
 @dataclass(frozen=True)
@@ -120,7 +118,7 @@ class CostModel:
         (planner/comm_loops.py); the same floats."""
         topo = self.topology
         return exchange_times(np.ascontiguousarray(table, dtype=np.int64), np.asarray(block_len, dtype=np.int64),
-                              _kind_bytes(**sizes), _IS_INPUT_INT, topo.ranks_per_node, float(topo.intra_bw),
+                              bytes_per_token(**sizes), _IS_INPUT_INT, topo.ranks_per_node, float(topo.intra_bw),
                               float(topo.inter_bw), float(topo.intra_lat), float(topo.inter_lat), world_size, num_stages)
 
     def link_time(self, busiest: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -145,11 +143,3 @@ class CostModel:
         """Per-rank time [P] from compute [P, S] and comm [P, S + 1] per exchange: exchange j < S
         overlaps stage j's compute, exchange S (the last stage's partials) follows it."""
         return np.maximum(compute, comm[:, :-1]).sum(axis=1) + comm[:, -1]
-
-
-@functools.lru_cache(maxsize=64)
-def _kind_bytes(**sizes) -> np.ndarray:
-    """int64 [6], read-only: bytes per token of every transfer kind (``payload_bytes``) for ``sizes``."""
-    out = payload_bytes(_KINDS, 1, **sizes)
-    out.setflags(write=False)
-    return out

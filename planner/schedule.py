@@ -36,6 +36,8 @@ Rules (the executor and ``Plan.stats()`` both follow exactly these rows):
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -53,17 +55,29 @@ COLUMNS = ("stage", "src", "dst", "kind", "block")
 
 def payload_bytes(kind, block_len, *, num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int,
                   grad_element_size: int = 4):
-    """Bytes of one transfer of ``kind`` for a block of ``block_len`` valid tokens (numpy-vectorized).
+    """Bytes of one transfer of ``kind`` for a block of ``block_len`` valid tokens (numpy-vectorized);
+    -1 for an unknown kind. Every payload is linear in the token count (``bytes_per_token``)."""
+    rows = np.asarray(block_len, dtype=np.int64)
+    per_token = bytes_per_token(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                element_size=element_size, grad_element_size=grad_element_size)
+    if isinstance(kind, (int, np.integer)) and 0 <= kind < per_token.size:
+        return per_token[kind] * rows  # (one kind for every block: the common call, ~3x faster)
+    kind = np.asarray(kind, dtype=np.int64)
+    valid = (kind >= 0) & (kind < per_token.size)
+    return np.where(valid, per_token[np.where(valid, kind, 0)] * rows, -1)
+
+
+@functools.lru_cache(maxsize=64)
+def bytes_per_token(*, num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int,
+                    grad_element_size: int = 4) -> np.ndarray:
+    """int64 [6], read-only: bytes per token of each transfer kind (KIND_Q .. KIND_DKV).
 
     Activations travel in the model dtype (``element_size`` bytes); lse and delta are fp32; the
     gradient partials dQ / dK / dV travel in the plan's ``grad_comm_dtype`` (``grad_element_size``
-    bytes, fp32 by default), as the executor sends them.
-    """
-    rows = np.asarray(block_len, dtype=np.int64)
+    bytes, fp32 by default), as the executor sends them."""
     q_tok = num_q_heads * head_dim
     kv_tok = 2 * num_kv_heads * head_dim
     act = element_size
-    # every payload is linear in the token count: bytes per token of each kind, -1 for an unknown kind
     per_token = np.array([
         q_tok * act,  # Q
         kv_tok * act,  # KV
@@ -72,11 +86,8 @@ def payload_bytes(kind, block_len, *, num_q_heads: int, num_kv_heads: int, head_
         q_tok * grad_element_size,  # DQ
         kv_tok * grad_element_size,  # DKV
     ], dtype=np.int64)
-    if isinstance(kind, (int, np.integer)) and 0 <= kind < per_token.size:
-        return per_token[kind] * rows  # (one kind for every block: the common call, ~3x faster)
-    kind = np.asarray(kind, dtype=np.int64)
-    valid = (kind >= 0) & (kind < per_token.size)
-    return np.where(valid, per_token[np.where(valid, kind, 0)] * rows, -1)
+    per_token.setflags(write=False)
+    return per_token
 
 
 def row_bytes(rows: np.ndarray, block_len: np.ndarray, **sizes) -> np.ndarray:
