@@ -84,7 +84,7 @@ class Balancer:
     def __init__(self, tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology, *,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, grad_element_size: int = 4,
                  relay_aware: bool = False, spread_sends: bool = False, start: np.ndarray | None = None,
-                 overlap: float = 0.0, duplex: bool = False, level_nodes: bool = False):
+                 overlap: float = 0.0, duplex: bool = False, level_nodes: bool = False, loads: tuple | None = None):
         P, nB = world_size, tiles.num_blocks
         self.t, self.home, self.c, self.P, self.nB = tiles, home, compute, P, nB
         self.node = np.ascontiguousarray(topology.node_of(np.arange(P)), dtype=np.int64)
@@ -107,7 +107,8 @@ class Balancer:
 
         home = np.ascontiguousarray(home, dtype=np.int64)
         self.rank = np.array(home[tiles.q] if start is None else start, dtype=np.int64)  # (a copy)
-        self.C, self.mean, self.cap = _load_and_cap(self.rank, compute, P)
+        # (``loads``: the caller's ``_load_and_cap`` of these start ranks, where it has it)
+        self.C, self.mean, self.cap = _load_and_cap(self.rank, compute, P) if loads is None else loads
         self.send = np.zeros((P, 2))
         self.recv = np.zeros((P, 2))
         self.have_q = np.zeros((P, nB), dtype=bool)
@@ -169,10 +170,10 @@ def balanced_ranks(tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_
     the cap (it would move nothing): its bookkeeping of every rank's bytes was ~10% of a one-node
     128K / 8 plan whose start was already balanced."""
     rank = home[tiles.q] if start is None else start
-    load, _, cap = _load_and_cap(rank, compute, world_size)
-    if _nothing_to_shed(load, cap, compute.size):
+    loads = _load_and_cap(rank, compute, world_size)
+    if _nothing_to_shed(loads[0], loads[2], compute.size):
         return rank.copy()
-    return Balancer(tiles, home, compute, world_size, topology, start=start, **balancer_args).run()
+    return Balancer(tiles, home, compute, world_size, topology, start=rank, loads=loads, **balancer_args).run()
 
 
 def _load_and_cap(rank: np.ndarray, compute: np.ndarray, world_size: int) -> tuple:
