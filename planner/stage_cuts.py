@@ -21,6 +21,54 @@ from .sort_loops import counting_order, stable_argsort
 
 
 @compiled
+def remote_items(q, kv, rank, home):
+    """The (tile, item) entries of the tiles' remote inputs and their items: (``tile_idx``, ``item_of``,
+    the items' keys ``(rank * 2 + is_kv) * nB + block`` ascending, the number of Q entries, each tile's
+    count of remote inputs). Items found by two stable counting passes over the entries (by block, then
+    by rank and kind): O(entries + nB + P), where a table of every key would be 2 P nB wide."""
+    n, num_blocks = q.size, home.size
+    num_q, num_kv, top = 0, 0, 0
+    needs = np.zeros(n, dtype=np.int64)
+    for i in range(n):
+        top = max(top, rank[i])
+        if home[q[i]] != rank[i]:
+            num_q += 1
+            needs[i] += 1
+        if home[kv[i]] != rank[i]:
+            num_kv += 1
+            needs[i] += 1
+    m = num_q + num_kv
+    tile_idx = np.empty(m, dtype=np.int64)
+    block = np.empty(m, dtype=np.int64)
+    group = np.empty(m, dtype=np.int64)  # rank * 2 + is_kv
+    j, k = 0, num_q
+    for i in range(n):
+        if home[q[i]] != rank[i]:
+            tile_idx[j], block[j], group[j] = i, q[i], rank[i] * 2
+            j += 1
+        if home[kv[i]] != rank[i]:
+            tile_idx[k], block[k], group[k] = i, kv[i], rank[i] * 2 + 1
+            k += 1
+    by_block = counting_order(block, num_blocks)
+    keys = np.empty(m, dtype=np.int64)
+    for a in range(m):
+        keys[a] = group[by_block[a]]
+    by_group = counting_order(keys, 2 * (top + 1))
+    item_of = np.empty(m, dtype=np.int64)
+    item_keys = np.empty(m, dtype=np.int64)
+    count, previous = 0, -1
+    for a in range(m):
+        e = by_block[by_group[a]]
+        key = group[e] * num_blocks + block[e]
+        if key != previous:
+            item_keys[count] = key
+            count += 1
+            previous = key
+        item_of[e] = count - 1
+    return tile_idx, item_of, item_keys[:count].copy(), num_q, needs
+
+
+@compiled
 def max_over_items(n, tile_idx, value, num_q_entries, fill):
     """Per tile, the max of ``value`` over its (at most two) entries, ``fill`` for a tile with none."""
     out = np.full(n, fill, dtype=np.int64)

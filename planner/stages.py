@@ -27,7 +27,7 @@ from . import group_loops
 from .cost_model import CostModel
 from .placement import first_occurrence, per_rank_and_stage, run_heads, weighted_bincount
 from .schedule import KIND_KV, KIND_Q, payload_bytes
-from .stage_cuts import max_over_items, stage_items
+from .stage_cuts import max_over_items, remote_items, stage_items
 from .tile_loops import group_by_rank, pour
 
 
@@ -44,21 +44,15 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
     (``_stage_items_both_ends``), so a rank many others read from is not flooded in one exchange."""
     n = q.size
     stage = np.zeros(n, dtype=np.int64)
-    remote_q = home[q] != rank
-    remote_kv = home[kv] != rank
-    remote = remote_q | remote_kv
-    if not np.any(remote):
-        return stage
     nB = int(home.size)
+    # Items: (rank, kind, block) keys, one per distinct remote input (compiled: planner/stage_cuts.py)
+    tile_idx, item_of, keys, num_q_entries, needs = remote_items(*(np.asarray(x, dtype=np.int64)
+                                                                   for x in (q, kv, rank, home)))
+    if tile_idx.size == 0:
+        return stage
+    remote = needs > 0
     topo = cost_model.topology
     compute_time = flops / cost_model.fwd_rate
-
-    # Items: (rank, kind, block) keys, one per distinct remote input.
-    tile_idx = np.concatenate((np.flatnonzero(remote_q), np.flatnonzero(remote_kv)))
-    kind = np.concatenate((np.full(int(remote_q.sum()), KIND_Q), np.full(int(remote_kv.sum()), KIND_KV)))
-    block = np.concatenate((q[remote_q], kv[remote_kv]))
-    item_key = (rank[tile_idx] * 2 + (kind == KIND_KV)) * nB + block
-    keys, item_of = _dense_unique(item_key)
     item_rank = keys // (2 * nB)
     item_kind = np.where((keys // nB) % 2 == 1, KIND_KV, KIND_Q)
     item_block = keys % nB
@@ -69,11 +63,10 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
     inter = topo.node_of(home[item_block]) != topo.node_of(item_rank)
     item_time = nbytes / np.where(inter, topo.inter_bw, topo.intra_bw)
 
-    needs = remote_q.astype(np.int64) + remote_kv.astype(np.int64)
     if not both_ends:
         # each rank's items cut on their own (compiled: planner/stage_cuts.py); both_ends, all ranks' together
         scales = np.atleast_1d(np.asarray(budget_scale, dtype=np.float64))
-        return stage_items(n, tile_idx, item_of, int(remote_q.sum()), needs, item_rank, item_time,
+        return stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time,
                            np.ascontiguousarray(compute_time, dtype=np.float64), rank, remote, world_size,
                            max_stages, scales)
     if np.ndim(budget_scale):
@@ -86,20 +79,19 @@ def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.nda
     position[order] = np.arange(keys.size)
     local_compute = weighted_bincount(rank[~remote], compute_time[~remote], world_size)
     item_stage = _stage_items_both_ends(order, item_rank, home[item_block], inter, item_time, item_of, tile_idx,
-                                        remote_q, compute_time, local_compute, tile_rank=rank,
+                                        num_q_entries, compute_time, local_compute, tile_rank=rank,
                                         world_size=world_size, max_stages=max_stages, budget_scale=budget_scale)
-    return max_over_items(n, tile_idx, item_stage[item_of], int(remote_q.sum()), 0)
+    return max_over_items(n, tile_idx, item_stage[item_of], num_q_entries, 0)
 
 
-def _stage_items_both_ends(order, receiver, sender, inter, item_time, item_of, tile_idx, remote_q, compute_time,
+def _stage_items_both_ends(order, receiver, sender, inter, item_time, item_of, tile_idx, num_q_entries, compute_time,
                            local_compute, *, tile_rank, world_size, max_stages, budget_scale) -> np.ndarray:
     """Stage of every item, stage by stage over all ranks: exchange s-1 (the inputs of stage s) overlaps
     stage s-1, so an item joins stage s while, in priority order (``order``), the transfer time on its
     link stays within stage s-1's compute at its receiver and at its sender; the others wait (the
     last stage takes all that is left). Each receiver gets at least its first waiting item, so every
     stage makes progress."""
-    P, n = world_size, tile_rank.size
-    num_q_entries = int(remote_q.sum())  # (``tile_idx``: the Q items' entries first)
+    P, n = world_size, tile_rank.size  # (``tile_idx``: the Q items' entries first, ``num_q_entries`` of them)
     link = inter.astype(np.int64)
     item_stage = np.full(order.size, max_stages, dtype=np.int64)
     placed = np.full(order.size, np.iinfo(np.int64).max, dtype=np.int64)  # stage of the items placed so far

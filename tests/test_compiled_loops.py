@@ -150,3 +150,22 @@ def test_split_backward_stages_is_its_numpy_form(seed, num_blocks, world_size, n
     want = stage if num_stages < 3 else _split_numpy(stage, kv, rank, home, compute, comm_time, world_size, num_stages)
     assert np.array_equal(got, want)
     assert np.array_equal(stage, backward_stages(q, kv, rank, home, num_stages))  # (the input is not written)
+
+
+@settings(max_examples=80, deadline=None)
+@given(**PLACEMENTS)
+def test_remote_items_are_the_distinct_remote_inputs(seed, num_blocks, world_size, num_tiles, num_stages):
+    """planner/stage_cuts.py ``remote_items`` against its numpy form: entries (Q entries first, each list
+    in tile order), items as the sorted distinct (rank, kind, block) keys, each entry's item."""
+    from blockattn.planner.stage_cuts import remote_items
+
+    q, kv, rank, home, _ = _placement(seed, num_blocks, world_size, num_tiles, num_stages)
+    tile_idx, item_of, keys, num_q_entries, needs = remote_items(q, kv, rank, home)
+    remote_q, remote_kv = home[q] != rank, home[kv] != rank
+    want_idx = np.concatenate((np.flatnonzero(remote_q), np.flatnonzero(remote_kv)))
+    kind_kv = np.r_[np.zeros(int(remote_q.sum()), dtype=bool), np.ones(int(remote_kv.sum()), dtype=bool)]
+    block = np.concatenate((q[remote_q], kv[remote_kv]))
+    want_keys, want_of = np.unique((rank[want_idx] * 2 + kind_kv) * num_blocks + block, return_inverse=True)
+    assert np.array_equal(tile_idx, want_idx) and num_q_entries == int(remote_q.sum())
+    assert np.array_equal(keys, want_keys) and np.array_equal(item_of, want_of.ravel())
+    assert np.array_equal(needs, remote_q.astype(np.int64) + remote_kv)
