@@ -285,12 +285,13 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
     schedule = schedule.in_wire_order()
     as32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
     local = tuple(as32(part) for part in positions_by_key(home, world_size))
+    tile_q, tile_kv, tile_full = tiles.index_tensors()
     return Plan(
         strategy=strategy, world_size=world_size, total_len=tiles.total_len, block_size=tiles.block_size,
         num_blocks=tiles.num_blocks, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         dtype=dtype, grad_comm_dtype=grad_comm_dtype, mask_signature=mask_signature, block_home=as32(home),
         local_blocks=local,
-        tile_q=as32(tiles.q), tile_kv=as32(tiles.kv), tile_full=torch.from_numpy(tiles.full.copy()),
+        tile_q=tile_q, tile_kv=tile_kv, tile_full=tile_full,
         tile_rank=as32(rank), tile_stage=as32(stage), num_stages=num_stages, schedule=schedule,
         tile_pairs=torch.from_numpy(tiles.pairs.astype(np.int64)), cost_model=cost_model, kv_relay=as32(relay),
         tile_stage_bwd=as32(stage_bwd),

@@ -14,6 +14,7 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .tile_loops import merge_tiles
 
@@ -53,11 +54,23 @@ class TileSet:
             full=tf.numpy().astype(bool),
             pairs=np.asarray(bm.tile_pairs().numpy(), dtype=np.int64),  # (a new array: no copy)
         )
+        object.__setattr__(result, "_mask_tensors", (tq, tk, tf))  # (frozen dataclass: a private memo)
         try:
             _from_block_mask_cache[bm] = result
         except TypeError:
             pass
         return result
+
+    def index_tensors(self) -> tuple:
+        """(int32 q, int32 kv, bool full) tensors of the tiles, as a Plan holds them: the BlockMask's own
+        where this TileSet was read from one (shared, not copied: the Plan, like the BlockMask, only
+        reads them), else converted from the arrays."""
+        tensors = self.__dict__.get("_mask_tensors")
+        if tensors is not None and all(t.dtype == d and t.is_contiguous() for t, d in
+                                       zip(tensors, (torch.int32, torch.int32, torch.bool))):
+            return tensors
+        return (torch.from_numpy(self.q.astype(np.int32)), torch.from_numpy(self.kv.astype(np.int32)),
+                torch.from_numpy(self.full.copy()))
 
     @property
     def num_tiles(self) -> int:
