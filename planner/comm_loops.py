@@ -46,3 +46,31 @@ def exchange_times(table, block_len, kind_bytes, is_input, ranks_per_node, intra
             out[r, j] = max(max(sent[at], received[at]) / intra_bw,
                             max(sent[size + at], received[size + at]) / inter_bw) + lat
     return out
+
+
+@compiled
+def relay_free_rows(home, q_rank, q_block, q_first, q_last, qb_rank, qb_block, qb_first, qb_last, kv_rank, kv_block,
+                    kv_first, kv_last_bwd):
+    """planner/schedule.py ``schedule_rows`` without relays: (forward rows, backward rows), int64 [m, 5]
+    (stage, src, dst, kind, block) - Q in, KV in, OUT back; dO in, dQ back, dK/dV back - from the q and
+    kv receive groups (rank, block, first, last) of the forward and (``qb_*``, ``kv_last_bwd``) the
+    backward stages. Every input comes from its block's home and every partial returns there."""
+    nq, nqb, nkv = q_rank.size, qb_rank.size, kv_rank.size
+    fwd = np.empty((2 * nq + nkv, 5), dtype=np.int64)
+    bwd = np.empty((2 * nqb + nkv, 5), dtype=np.int64)
+    for i in range(nq):
+        b, r = q_block[i], q_rank[i]
+        fwd[i, 0], fwd[i, 1], fwd[i, 2], fwd[i, 3], fwd[i, 4] = q_first[i], home[b], r, 0, b  # KIND_Q
+        j = nq + nkv + i
+        fwd[j, 0], fwd[j, 1], fwd[j, 2], fwd[j, 3], fwd[j, 4] = q_last[i] + 1, r, home[b], 2, b  # KIND_OUT
+    for i in range(nkv):
+        b, r, j = kv_block[i], kv_rank[i], nq + i
+        fwd[j, 0], fwd[j, 1], fwd[j, 2], fwd[j, 3], fwd[j, 4] = kv_first[i], home[b], r, 1, b  # KIND_KV
+        j = 2 * nqb + i
+        bwd[j, 0], bwd[j, 1], bwd[j, 2], bwd[j, 3], bwd[j, 4] = kv_last_bwd[i] + 1, r, home[b], 5, b  # KIND_DKV
+    for i in range(nqb):
+        b, r = qb_block[i], qb_rank[i]
+        bwd[i, 0], bwd[i, 1], bwd[i, 2], bwd[i, 3], bwd[i, 4] = qb_first[i], home[b], r, 3, b  # KIND_DO
+        j = nqb + i
+        bwd[j, 0], bwd[j, 1], bwd[j, 2], bwd[j, 3], bwd[j, 4] = qb_last[i] + 1, r, home[b], 4, b  # KIND_DQ
+    return fwd, bwd

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .placement import run_heads
+from .comm_loops import relay_free_rows
 from .group_loops import group_stages, group_tiles
 from .sort_loops import rows_in_wire_order
 from .tile_loops import covered_rows_and_columns, real_groups
@@ -353,6 +354,14 @@ def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num
     cost estimate, which sums per (rank, stage); ``CommSchedule.from_rows`` puts them in wire order).
     The backward rows follow ``bwd_groups`` (same (rank, block) pairs, backward first / last stages)."""
     q_bwd, kv_bwd = (q_groups, kv_groups) if bwd_groups is None else bwd_groups
+    relay = as_relay_table(kv_relay)
+    if kv_bwd is not kv_groups and not (np.array_equal(kv_bwd[0], kv_groups[0])
+                                        and np.array_equal(kv_bwd[1], kv_groups[1])):
+        raise ValueError("bwd_groups must hold the forward groups' (rank, block) pairs, in the same order")
+    if relay.shape[0] == 0:  # (the common case, compiled: planner/comm_loops.py; the same rows)
+        as64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+        return relay_free_rows(as64(home), *map(as64, q_groups), *map(as64, q_bwd), *map(as64, kv_groups[:3]),
+                               as64(kv_bwd[3]))
     r, b, first, last = q_groups
     q_in = _rows(first, home[b], r, KIND_Q, b)
     out = _rows(last + 1, r, home[b], KIND_OUT, b)
@@ -360,12 +369,9 @@ def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num
     d_out = _rows(first, home[b], r, KIND_DO, b)
     d_q = _rows(last + 1, r, home[b], KIND_DQ, b)
 
-    relay = as_relay_table(kv_relay)
     r, b, first, _ = kv_groups
     src = _kv_sources(home, r, b, relay, num_blocks)
     kv_in = np.concatenate([_rows(first, src, r, KIND_KV, b), _transit_rows(home, r, b, first, relay, num_blocks)])
-    if kv_bwd is not kv_groups and not (np.array_equal(kv_bwd[0], r) and np.array_equal(kv_bwd[1], b)):
-        raise ValueError("bwd_groups must hold the forward groups' (rank, block) pairs, in the same order")
     last = kv_bwd[3]  # (same pairs: the forward's KV sources are the backward's DKV parents)
     dkv_dst, dkv_stage, transit_dkv = dkv_routes(home, r, b, last, src, num_blocks, num_stages)
     d_kv = np.concatenate([_rows(dkv_stage, r, dkv_dst, KIND_DKV, b), transit_dkv])

@@ -57,3 +57,36 @@ def test_a_plans_transfer_times_are_priced_the_same_both_ways():
         expected = _numpy_times(cost_model, table, block_len, plan.world_size, plan.num_stages, sizes)
         assert np.array_equal(compiled, expected)
         assert (compiled > 0).any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), world_size=st.integers(1, 9), num_blocks=st.integers(1, 30),
+       num_stages=st.integers(1, 5))
+def test_relay_free_rows_are_the_rows_of_the_receive_groups(seed, world_size, num_blocks, num_stages):
+    """planner/comm_loops.py ``relay_free_rows`` (``schedule_rows`` without relays) against the rows
+    written out by hand: Q / KV in at a group's first stage from the home, OUT / dQ / dK/dV back after
+    its last, dO in at its first backward stage."""
+    from blockattn.planner.schedule import KIND_DKV, KIND_DQ, KIND_OUT, schedule_rows
+
+    rng = np.random.default_rng(seed)
+    home = rng.integers(0, world_size, num_blocks)
+
+    def groups(n):
+        r, b = rng.integers(0, world_size, n), rng.integers(0, num_blocks, n)
+        first = rng.integers(1, num_stages + 1, n)
+        return r, b, first, np.maximum(first, rng.integers(0, num_stages, n))
+
+    q, kv = groups(int(rng.integers(0, 20))), groups(int(rng.integers(0, 20)))
+    q_bwd = (q[0], q[1], *groups(q[0].size)[2:])
+    kv_bwd = (kv[0], kv[1], *groups(kv[0].size)[2:])
+    fwd, bwd = schedule_rows(home, q, kv, num_blocks=num_blocks, num_stages=num_stages, bwd_groups=(q_bwd, kv_bwd))
+
+    def rows(stage, src, dst, kind, block):
+        return np.stack([stage, src, dst, np.full_like(stage, kind), block], axis=1).reshape(-1, 5)
+
+    want_fwd = np.concatenate([rows(q[2], home[q[1]], q[0], KIND_Q, q[1]), rows(kv[2], home[kv[1]], kv[0], KIND_KV, kv[1]),
+                               rows(q[3] + 1, q[0], home[q[1]], KIND_OUT, q[1])])
+    want_bwd = np.concatenate([rows(q_bwd[2], home[q[1]], q[0], KIND_DO, q[1]),
+                               rows(q_bwd[3] + 1, q[0], home[q[1]], KIND_DQ, q[1]),
+                               rows(kv_bwd[3] + 1, kv[0], home[kv[1]], KIND_DKV, kv[1])])
+    assert np.array_equal(fwd, want_fwd) and np.array_equal(bwd, want_bwd)
