@@ -47,32 +47,38 @@ def merge_tiles(q, kv, full, pairs, factor, shift, num_blocks):
     begin = 0
     while begin < n:
         row = _merged(q[begin], factor, shift)
+        # the merged row's real rows, each sorted by kv: a column is marked once per run of it, and a
+        # real row's first and last tiles give its span
         end, lo, hi = begin, num_merged_blocks, -1
         while end < n and _merged(q[end], factor, shift) == row:
-            col = _merged(kv[end], factor, shift)
-            seen_in_row[col] = row
-            lo, hi = min(lo, col), max(hi, col)
-            end += 1
+            real_row, start, col = q[end], end, -1
+            while end < n and q[end] == real_row:
+                column = _merged(kv[end], factor, shift)
+                if column != col:
+                    seen_in_row[column] = row
+                    col = column
+                end += 1
+            lo, hi = min(lo, _merged(kv[start], factor, shift)), max(hi, col)
         for col in range(lo, hi + 1):
             if seen_in_row[col] == row:
                 merged_q[m], merged_kv[m], index[col] = row, col, m
                 m += 1
         # a real row's consecutive tiles mostly share a merged tile: sum them in registers (a sum into
         # the same array cell as the tile before waits for that store, ~3x slower)
-        current, run_pairs, run_full = -1, 0, 0
+        col, tile, run_pairs, run_full = -1, -1, 0, 0
         for i in range(begin, end):
-            tile = index[_merged(kv[i], factor, shift)]
+            column = _merged(kv[i], factor, shift)
+            if column != col:
+                if tile >= 0:
+                    merged_pairs[tile] += run_pairs
+                    merged_full[tile] += run_full
+                col, tile, run_pairs, run_full = column, index[column], 0, 0
             of_real[i] = tile
-            if tile != current:
-                if current >= 0:
-                    merged_pairs[current] += run_pairs
-                    merged_full[current] += run_full
-                current, run_pairs, run_full = tile, 0, 0
             run_pairs += pairs[i]
             run_full += full[i]
-        if current >= 0:
-            merged_pairs[current] += run_pairs
-            merged_full[current] += run_full
+        if tile >= 0:
+            merged_pairs[tile] += run_pairs
+            merged_full[tile] += run_full
         begin = end
     # (copies: the merged TileSet is cached with its batch, and holds m of the n entries)
     return merged_q[:m].copy(), merged_kv[:m].copy(), merged_pairs[:m].copy(), merged_full[:m].copy(), of_real
