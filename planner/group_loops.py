@@ -8,7 +8,8 @@ reads each group's first and last stage under every staging it weighs (a dozen a
 ``own_row_movable`` groups them by (rank, kv-block) again; in numpy each was a sort and a few
 segment reductions, ~30-100 us of calls apiece on a merged one-node plan. These sort by two stable
 counting passes (by block, then by rank: O(n + nB + P), no table of P * nB keys, which at 1M tokens /
-64 ranks would cost more than the sort) and give the same groups in the same order.
+64 ranks would cost more than the sort; one pass by the key where it is small) and give the same groups
+in the same order.
 """
 
 from __future__ import annotations
@@ -21,23 +22,33 @@ from .sort_loops import counting_order
 
 @compiled
 def by_rank_and_block(tiles, rank, block):
-    """``tiles`` stably ordered by (rank, block) of each tile, by two counting passes."""
+    """``tiles`` stably ordered by (rank, block) of each tile: one counting pass over the keys
+    ``rank * (top block + 1) + block`` where there are not many more keys than tiles (a merged one-node
+    plan), else two (by block, then by rank)."""
     n = tiles.size
     if n == 0:
         return tiles.copy()
+    top_rank, top_block = 0, 0
+    for i in range(n):
+        top_rank, top_block = max(top_rank, rank[tiles[i]]), max(top_block, block[tiles[i]])
+    span = top_block + 1
     keys = np.empty(n, dtype=np.int64)
-    top = 0
+    if (top_rank + 1) * span <= 4 * n:
+        for i in range(n):
+            keys[i] = rank[tiles[i]] * span + block[tiles[i]]
+        order = counting_order(keys, (top_rank + 1) * span)
+        out = np.empty(n, dtype=np.int64)
+        for i in range(n):
+            out[i] = tiles[order[i]]
+        return out
     for i in range(n):
         keys[i] = block[tiles[i]]
-        top = max(top, keys[i])
-    first = counting_order(keys, top + 1)
+    first = counting_order(keys, span)
     by_block = np.empty(n, dtype=np.int64)
-    top = 0
     for i in range(n):
         by_block[i] = tiles[first[i]]
         keys[i] = rank[by_block[i]]
-        top = max(top, keys[i])
-    second = counting_order(keys, top + 1)
+    second = counting_order(keys, top_rank + 1)
     out = np.empty(n, dtype=np.int64)
     for i in range(n):
         out[i] = by_block[second[i]]
