@@ -169,3 +169,29 @@ def test_remote_items_are_the_distinct_remote_inputs(seed, num_blocks, world_siz
     assert np.array_equal(tile_idx, want_idx) and num_q_entries == int(remote_q.sum())
     assert np.array_equal(keys, want_keys) and np.array_equal(item_of, want_of.ravel())
     assert np.array_equal(needs, remote_q.astype(np.int64) + remote_kv)
+
+
+@settings(max_examples=80, deadline=None)
+@given(stages=st.lists(st.integers(0, 150), min_size=1, max_size=60), int32=st.booleans())
+def test_stage_renumbering_compacts_the_used_stages(stages, int32):
+    """planner/placement.py ``stage_renumbering`` / ``compact_stages``: used stages >= 1 renumbered 1, 2,
+    ... in order (stage 0 kept), ``changed`` exactly where that moves a stage; stages past the compiled
+    loop's first table (64) too."""
+    from blockattn.planner.placement import compact_stages, stage_renumbering
+
+    stage = np.array(stages, dtype=np.int32 if int32 else np.int64)
+    used = np.unique(stage[stage > 0])
+    want = np.where(stage > 0, np.searchsorted(used, stage) + 1, 0)
+    remap, num_stages, changed = stage_renumbering(stage)
+    assert np.array_equal(remap[stage], want) and num_stages == used.size + 1
+    assert changed == (not np.array_equal(want, stage))
+    assert np.array_equal(compact_stages(stage)[0], want)
+
+
+def test_stage_renumbering_refuses_a_negative_stage():
+    import pytest
+
+    from blockattn.planner.placement import stage_renumbering
+
+    with pytest.raises(ValueError, match="stages must be >= 0, got -5"):
+        stage_renumbering(np.array([0, -3, 2, -5, 70]))
