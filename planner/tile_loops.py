@@ -136,23 +136,14 @@ def stage_renumbering(stage):
     """(remap, number of stages, whether remap changes any stage, smallest stage) of non-empty stages:
     ``remap[s]`` renumbers the used stages >= 1 as 1, 2, ... (stage 0 kept), in one pass over the
     tiles; where the smallest is negative, nothing else is meaningful (the caller raises)."""
-    top, low = 0, stage[0]
-    used = np.zeros(64, dtype=np.bool_)  # (stages are few: one pass, the table grown where one is not)
+    top, low = stage[0], stage[0]
     for s in stage:
-        if s < 0:
-            low = min(low, s)
-            continue
-        if s >= used.size:
-            grown = np.zeros(2 * s + 1, dtype=np.bool_)
-            grown[:used.size] = used
-            used = grown
-        used[s] = True
-        top = max(top, s)
+        top, low = max(top, s), min(low, s)
     if low < 0:
-        for s in stage:
-            low = min(low, s)
         return np.zeros(0, dtype=np.int64), 0, False, low
-    used = used[:top + 1]
+    used = np.zeros(top + 1, dtype=np.bool_)
+    for s in stage:
+        used[s] = True
     remap = np.empty(used.size, dtype=np.int64)
     count = 0
     for s in range(used.size):
