@@ -259,27 +259,33 @@ def real_groups(covered, order, heads, stage, stage_bwd, group_rank, group_block
 
 
 @compiled
-def stage_loads(rank, stage, seconds, world_size, width):
-    """float64 [P, width]: ``seconds`` summed per (rank, stage) of the tiles, in tile order (the floats of
-    ``np.bincount(rank * width + stage, weights=seconds)``, without its key and temporaries)."""
-    out = np.zeros(world_size * width)
-    # consecutive tiles mostly share a (rank, stage): the cell's sum is carried in a register while they
-    # do (the same additions in the same order; adding into the cell the tile before stored waits for
-    # that store, ~3x slower)
+def _cell_sums(major, minor, width, weights, size):
+    """float64 [size]: ``weights`` summed per cell ``major * width + minor`` (``minor`` None: the cell is
+    ``major``), in input order: the floats of a weighted ``np.bincount`` over the cells. Consecutive
+    elements mostly share a cell, so its sum is carried in a register while they do (the same additions
+    in the same order; adding into the cell the element before stored waits for that store, ~3x
+    slower). A cell or minor index out of range raises ValueError."""
+    out = np.zeros(size)
     cell, total = -1, 0.0
-    for i in range(rank.size):
-        r, s = rank[i], stage[i]
-        if r < 0 or r >= world_size or s < 0 or s >= width:
-            raise ValueError("stage_loads: a tile's rank or stage is out of range")
-        at = r * width + s
+    for i in range(major.size):
+        at = major[i] if minor is None else major[i] * width + minor[i]
+        if at < 0 or at >= size or (minor is not None and (minor[i] < 0 or minor[i] >= width)):
+            raise ValueError("a tile's rank, stage or key is out of range")
         if at != cell:
             if cell >= 0:
                 out[cell] = total
             cell, total = at, out[at]
-        total += seconds[i]
+        total += weights[i]
     if cell >= 0:
         out[cell] = total
-    return out.reshape(world_size, width)
+    return out
+
+
+@compiled
+def stage_loads(rank, stage, seconds, world_size, width):
+    """float64 [P, width]: ``seconds`` summed per (rank, stage) of the tiles, in tile order (the floats of
+    ``np.bincount(rank * width + stage, weights=seconds)``, without its key and temporaries)."""
+    return _cell_sums(rank, stage, width, seconds, world_size * width).reshape(world_size, width)
 
 
 @compiled
@@ -287,17 +293,4 @@ def key_sums(keys, weights, size):
     """float64 [size]: ``weights`` summed per key in [0, size), in input order (the floats of
     ``np.bincount(keys, weights=weights, minlength=size)``, which on a merged plan's ~10K tiles costs ~4x
     this loop)."""
-    out = np.zeros(size)
-    cell, total = -1, 0.0  # (the current cell's sum in a register, as in stage_loads)
-    for i in range(keys.size):
-        k = keys[i]
-        if k < 0 or k >= size:
-            raise ValueError("key_sums: a key is out of range")
-        if k != cell:
-            if cell >= 0:
-                out[cell] = total
-            cell, total = k, out[k]
-        total += weights[i]
-    if cell >= 0:
-        out[cell] = total
-    return out
+    return _cell_sums(keys, None, 1, weights, size)
