@@ -119,7 +119,8 @@ class CostModel:
         topo = self.topology
         return exchange_times(np.ascontiguousarray(table, dtype=np.int64), np.asarray(block_len, dtype=np.int64),
                               bytes_per_token(**sizes), _IS_INPUT_INT, topo.ranks_per_node, float(topo.intra_bw),
-                              float(topo.inter_bw), float(topo.intra_lat), float(topo.inter_lat), world_size, num_stages)
+                              float(topo.inter_bw), float(topo.intra_lat), float(topo.inter_lat), world_size,
+                              num_stages)
 
     def link_time(self, busiest: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Transfer time from ``busiest`` [2, ...] bytes (the busier of send and receive; NVLink, then

@@ -64,7 +64,7 @@ class Finisher:
         """(q, kv) ``receive_groups`` of the remote inputs under per-tile ``stage``."""
         if self._input_groups is None:
             t = self.tiles
-            self._input_groups = InputGroups(self.rank, t.q, t.kv, self.remote_q, self.remote_kv, t.num_blocks)
+            self._input_groups = InputGroups(self.rank, t.q, t.kv, self.remote_q, self.remote_kv)
         return self._input_groups(stage)
 
     def _own_row_movable(self) -> np.ndarray:

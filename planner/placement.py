@@ -58,8 +58,8 @@ def compact_stages(stage: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def stage_renumbering(stage: np.ndarray) -> tuple:
-    """(remap, num_stages, changed) of int64 or int32 ``stage``: ``compact_stages(stage)[0]`` is ``remap[stage]``,
-    and differs from ``stage`` exactly where ``changed``; remap None for an empty tile list."""
+    """(remap, num_stages, changed) of int64 or int32 ``stage``: ``compact_stages(stage)[0]`` is
+    ``remap[stage]``, and differs from ``stage`` exactly where ``changed``; remap None for no tiles."""
     if stage.size == 0:
         return None, 1, False
     remap, num_stages, changed, low = tile_loops.stage_renumbering(stage)
@@ -102,7 +102,8 @@ def prefix_sums(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def per_rank_and_stage(rank: np.ndarray, stage: np.ndarray, seconds: np.ndarray, world_size: int, width: int) -> np.ndarray:
+def per_rank_and_stage(rank: np.ndarray, stage: np.ndarray, seconds: np.ndarray, world_size: int,
+                       width: int) -> np.ndarray:
     """float64 [P, width]: per-tile ``seconds`` summed per rank and stage (compiled ``stage_loads``;
     the same floats as a bincount over ``rank * width + stage``)."""
     return stage_loads(np.asarray(rank, dtype=np.int64), np.asarray(stage, dtype=np.int64),

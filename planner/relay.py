@@ -385,7 +385,7 @@ class RelayScorer:
         each tile sends and needs (planner/stages_bwd.py backward_stages), not from the forward stages."""
         if num_stages not in self._bwd_cache:
             t, nB = self.tiles, self.tiles.num_blocks
-            groups = InputGroups(self.rank, t.q, t.kv, self.remote_q, self.remote_kv, nB)
+            groups = InputGroups(self.rank, t.q, t.kv, self.remote_q, self.remote_kv)
 
             def bwd_comm(groups):
                 rows = schedule_rows(self.home, self.q_groups, self.kv_groups, num_blocks=nB, num_stages=num_stages,

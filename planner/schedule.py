@@ -41,9 +41,9 @@ import functools
 import numpy as np
 import torch
 
-from .placement import run_heads
 from .comm_loops import relay_free_rows
 from .group_loops import group_stages, group_tiles
+from .placement import run_heads
 from .sort_loops import rows_in_wire_order
 from .tile_loops import covered_rows_and_columns, real_groups
 
@@ -219,12 +219,11 @@ class InputGroups:
     """The (q, kv) ``receive_groups`` of the tiles' remote q-blocks (``remote_q``) and kv-blocks
     (``remote_kv``), for fixed tile ranks, under any per-tile stages: one receive group per remote
     (rank, block) input. Which tiles form each group is worked out once (a sort), so each staging
-    costs a gather and two segment reductions instead of a pass over the [P, nB] grid (a placement's
+    costs one compiled pass over the grouped tiles instead of a pass over the [P, nB] grid (a placement's
     stagings are tried by the dozen: backward splits, deferral rounds, relay variants)."""
 
-    def __init__(self, rank: np.ndarray, q: np.ndarray, kv: np.ndarray, remote_q: np.ndarray, remote_kv: np.ndarray,
-                 num_blocks: int):
-        self._parts = [_grouping(rank, block, np.flatnonzero(remote), num_blocks)
+    def __init__(self, rank: np.ndarray, q: np.ndarray, kv: np.ndarray, remote_q: np.ndarray, remote_kv: np.ndarray):
+        self._parts = [_grouping(rank, block, np.flatnonzero(remote))
                        for block, remote in ((q, remote_q), (kv, remote_kv))]
 
     def __call__(self, stage: np.ndarray) -> tuple:
@@ -235,7 +234,7 @@ class InputGroups:
         return tuple(out)
 
 
-def _grouping(rank: np.ndarray, block: np.ndarray, tiles: np.ndarray, num_blocks: int) -> tuple:
+def _grouping(rank: np.ndarray, block: np.ndarray, tiles: np.ndarray) -> tuple:
     """(tiles ordered by ``rank * nB + block``, each group's first position, each group's rank and
     block) of the given tile indices, as ``receive_groups`` orders its groups; read-only. Compiled
     (planner/group_loops.py ``group_tiles``)."""
@@ -294,7 +293,7 @@ def derive_schedule(block_home, tile_q, tile_kv, tile_rank, tile_stage, *, num_b
     home = np.asarray(block_home, dtype=np.int64)
     q, kv, rank, stage = (_int_array(x) for x in (tile_q, tile_kv, tile_rank, tile_stage))
     remote_q, remote_kv = (home[q] != rank, home[kv] != rank) if remote is None else remote
-    groups = InputGroups(rank, q, kv, remote_q, remote_kv, num_blocks)
+    groups = InputGroups(rank, q, kv, remote_q, remote_kv)
     bwd_groups = None if tile_stage_bwd is None else groups(_int_array(tile_stage_bwd))
     return schedule_from_groups(home, *groups(stage), num_blocks=num_blocks, num_stages=num_stages,
                                 world_size=world_size, kv_relay=kv_relay, bwd_groups=bwd_groups)
@@ -325,7 +324,7 @@ def derive_schedule_merged(tiles, coarse, of_fine: np.ndarray, factor: int, coar
         covered = covered_rows_and_columns(tiles.q, tiles.kv, of_fine, shift, coarse.num_tiles)
     for covered_blocks, coarse_block in zip(covered, (coarse.q, coarse.kv)):
         remote = np.flatnonzero(coarse_home[coarse_block] != rank)
-        order, heads, group_rank, group_block = _grouping(rank, coarse_block, remote, coarse.num_blocks)
+        order, heads, group_rank, group_block = _grouping(rank, coarse_block, remote)
         if order.size == 0:
             parts.append([(group_rank, group_block, group_rank, group_rank)] * 2)
             continue

@@ -84,7 +84,8 @@ def test_relay_free_rows_are_the_rows_of_the_receive_groups(seed, world_size, nu
     def rows(stage, src, dst, kind, block):
         return np.stack([stage, src, dst, np.full_like(stage, kind), block], axis=1).reshape(-1, 5)
 
-    want_fwd = np.concatenate([rows(q[2], home[q[1]], q[0], KIND_Q, q[1]), rows(kv[2], home[kv[1]], kv[0], KIND_KV, kv[1]),
+    want_fwd = np.concatenate([rows(q[2], home[q[1]], q[0], KIND_Q, q[1]),
+                               rows(kv[2], home[kv[1]], kv[0], KIND_KV, kv[1]),
                                rows(q[3] + 1, q[0], home[q[1]], KIND_OUT, q[1])])
     want_bwd = np.concatenate([rows(q_bwd[2], home[q[1]], q[0], KIND_DO, q[1]),
                                rows(q_bwd[3] + 1, q[0], home[q[1]], KIND_DQ, q[1]),

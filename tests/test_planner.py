@@ -281,7 +281,7 @@ def test_input_groups_grouped_once_match_the_dense_groups_under_any_staging(spec
     home = rng.integers(0, world_size, tiles.num_blocks)
     rank = rng.integers(0, world_size, tiles.num_tiles)
     remote_q, remote_kv = home[tiles.q] != rank, home[tiles.kv] != rank
-    grouped = InputGroups(rank, tiles.q, tiles.kv, remote_q, remote_kv, tiles.num_blocks)
+    grouped = InputGroups(rank, tiles.q, tiles.kv, remote_q, remote_kv)
     for _ in range(3):
         stage = rng.integers(0, 5, tiles.num_tiles)
         expected = [receive_groups(rank[remote], block[remote], stage[remote], tiles.num_blocks)
