@@ -9,8 +9,9 @@ merged blocks, and then every real tile is visited to merge it, to map the merge
 back to real blocks and to count bytes; in numpy those passes took ~3 of its ~10 ms (about a dozen
 passes over the tiles, each writing a temporary as large). One loop each does the same work in one or
 two passes. The results are the same arrays (integer sums), so the plans do not change. Also here:
-``compact_stages``' renumbering and the spreads' grouping by rank and pour (planner/stages.py), same
-floats as their numpy forms.
+``compact_stages``' renumbering, the spreads' grouping by rank and pour (planner/stages.py), and the
+per-(rank, stage) and weighted sums over tiles that finishing a placement takes a dozen times
+(``stage_loads``, ``key_sums``), same floats as their numpy forms.
 """
 
 from __future__ import annotations
