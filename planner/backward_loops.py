@@ -36,44 +36,63 @@ def class_rule_stages(q, kv, rank, home, num_stages):
 
 
 @compiled
+def stage0_kv_groups(stage, kv, rank, home, compute, ranks, ranks_per_node):
+    """planner/stages_bwd.py ``_stage0_remote_kv_groups``: the whole (rank, kv-block) groups of stage-0
+    tiles reading remote KV on the flagged ``ranks`` (``ranks_per_node`` > 0: only kv-blocks homed on
+    the rank's node), as (tile indices ascending, each one's group, each group's rank, each group's
+    seconds summed in tile order), groups by rank, latest kv-block first; no tiles where none is."""
+    n = stage.size
+    eligible = np.empty(n, dtype=np.int64)
+    m = 0
+    for i in range(n):
+        r, h = rank[i], home[kv[i]]
+        if stage[i] == 0 and h != r and ranks[r] and (ranks_per_node <= 0 or h // ranks_per_node == r // ranks_per_node):
+            eligible[m] = i
+            m += 1
+    idx = eligible[:m].copy()
+    order = by_rank_and_block(idx, rank, kv, True)
+    group_of = np.empty(n, dtype=np.int64)  # (only the eligible tiles' entries are written and read)
+    group_rank = np.empty(m, dtype=np.int64)
+    group_seconds = np.empty(m, dtype=np.float64)
+    g = -1
+    for i in range(m):
+        t = order[i]
+        if i == 0 or rank[t] != rank[order[i - 1]] or kv[t] != kv[order[i - 1]]:
+            g += 1
+            group_rank[g], group_seconds[g] = rank[t], 0.0
+        group_seconds[g] += compute[t]  # (a group's tiles ascending: bincount's order)
+        group_of[t] = g
+    of_tile = np.empty(m, dtype=np.int64)
+    for j in range(m):
+        of_tile[j] = group_of[idx[j]]
+    return idx, of_tile, group_rank[:g + 1].copy(), group_seconds[:g + 1].copy()
+
+
+@compiled
 def split_stage0_groups(stage, kv, rank, home, compute, comm_time, world_size, num_stages):
     """planner/stages_bwd.py ``split_backward_stages`` for S >= 3: per rank, take = half the smaller of
     exchange 1's gap and stage 0's surplus over exchange 0; the rank's whole (rank, kv-block) groups of
     stage-0 tiles reading remote KV, latest kv-block first, move to stage 1 while their running sum of
-    seconds stays within take. Returns ``stage`` itself where no group moves, else a new array."""
-    P, S, num_blocks = world_size, num_stages, home.size
+    seconds stays within take. Returns ``stage`` itself where no group is eligible, else a new array."""
+    P, S = world_size, num_stages
     per = stage_loads(rank, stage, compute, P, S)
     take = np.empty(P)
     for r in range(P):
         take[r] = min(comm_time[r, 1] - per[r, 1], per[r, 0] - comm_time[r, 0]) / 2
-    eligible = np.empty(stage.size, dtype=np.int64)
-    latest_first = np.empty(stage.size, dtype=np.int64)  # nB - 1 - kv: groups of later kv-blocks first
-    m = 0
-    for i in range(stage.size):
-        latest_first[i] = num_blocks - 1 - kv[i]
-        if stage[i] == 0 and home[kv[i]] != rank[i] and take[rank[i]] > 0:
-            eligible[m] = i
-            m += 1
-    if m == 0:
+    idx, of_tile, group_rank, group_seconds = stage0_kv_groups(stage, kv, rank, home, compute, take > 0, 0)
+    if idx.size == 0:
         return stage
-    # (by rank, then latest kv-block first; a group's tiles in tile order, as the numpy form adds them)
-    order = by_rank_and_block(eligible[:m], rank, latest_first)
-    out = stage.copy()
     # the running sum over all groups less the sum before the rank's first (``_grouped_cumsum``'s floats)
-    cum, before, current = 0.0, 0.0, -1
-    i = 0
-    while i < m:
-        t = order[i]
-        r, block = rank[t], kv[t]
-        value, j = 0.0, i
-        while j < m and rank[order[j]] == r and kv[order[j]] == block:
-            value += compute[order[j]]
-            j += 1
+    moved = np.empty(group_rank.size, dtype=np.bool_)
+    cum, before = 0.0, 0.0
+    for g in range(group_rank.size):
+        value = group_seconds[g]
         cum += value
-        if r != current:
-            before, current = cum - value, r
-        if cum - before <= take[r]:
-            for k in range(i, j):
-                out[order[k]] = 1
-        i = j
+        if g == 0 or group_rank[g] != group_rank[g - 1]:
+            before = cum - value
+        moved[g] = cum - before <= take[group_rank[g]]
+    out = stage.copy()
+    for j in range(idx.size):
+        if moved[of_tile[j]]:
+            out[idx[j]] = 1
     return out

@@ -21,10 +21,10 @@ from .sort_loops import counting_order
 
 
 @compiled
-def by_rank_and_block(tiles, rank, block):
-    """``tiles`` stably ordered by (rank, block) of each tile: one counting pass over the keys
-    ``rank * (top block + 1) + block`` where there are not many more keys than tiles (a merged one-node
-    plan), else two (by block, then by rank)."""
+def by_rank_and_block(tiles, rank, block, latest_first=False):
+    """``tiles`` stably ordered by (rank, block) of each tile (``latest_first``: blocks descending): one
+    counting pass over the keys ``rank * (top block + 1) + block`` where there are not many more keys
+    than tiles (a merged one-node plan), else two (by block, then by rank)."""
     n = tiles.size
     if n == 0:
         return tiles.copy()
@@ -35,14 +35,16 @@ def by_rank_and_block(tiles, rank, block):
     keys = np.empty(n, dtype=np.int64)
     if (top_rank + 1) * span <= 4 * n:
         for i in range(n):
-            keys[i] = rank[tiles[i]] * span + block[tiles[i]]
+            b = block[tiles[i]]
+            keys[i] = rank[tiles[i]] * span + (top_block - b if latest_first else b)
         order = counting_order(keys, (top_rank + 1) * span)
         out = np.empty(n, dtype=np.int64)
         for i in range(n):
             out[i] = tiles[order[i]]
         return out
     for i in range(n):
-        keys[i] = block[tiles[i]]
+        b = block[tiles[i]]
+        keys[i] = top_block - b if latest_first else b
     first = counting_order(keys, span)
     by_block = np.empty(n, dtype=np.int64)
     for i in range(n):

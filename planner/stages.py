@@ -130,16 +130,6 @@ def _grouped_cumsum(key: np.ndarray, value: np.ndarray) -> np.ndarray:
     return out
 
 
-def _dense_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(keys, return_inverse=True)`` for small non-negative ints, by a presence table."""
-    present = np.zeros(int(keys.max()) + 1, dtype=bool)
-    present[keys] = True
-    uniq = np.flatnonzero(present)
-    index = np.empty(present.size, dtype=np.int64)  # only the present cells are written and read
-    index[uniq] = np.arange(uniq.size)
-    return uniq, index[keys]
-
-
 def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, is_local: np.ndarray,
                        comm_time: np.ndarray, *, world_size: int, num_stages: int, fwd_rate: float,
                        extra_stage: bool = False) -> np.ndarray:

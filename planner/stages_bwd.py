@@ -16,10 +16,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .backward_loops import class_rule_stages, split_stage0_groups
+from .backward_loops import class_rule_stages, split_stage0_groups, stage0_kv_groups
 from .cost_model import CostModel
-from .placement import per_rank_and_stage, weighted_bincount
-from .stages import LocalWork, _dense_unique, _grouped_cumsum, _pour
+from .placement import per_rank_and_stage
+from .stages import LocalWork, _grouped_cumsum, _pour
 
 # ``defer_backward_groups``: the share of each exposed backward gap a rank's deferred groups fill, and
 # the rounds tried per phase (each kept only where faster). Over the 57 multi-node evaluation cases
@@ -61,16 +61,12 @@ def _stage0_remote_kv_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray
     """The whole (rank, kv-block) groups of backward stage-0 tiles reading remote KV, on the ``ranks``
     flagged ([P] bool): (tile indices, each tile's group, each group's rank, each group's seconds),
     groups ordered per rank with the latest kv-block first; None when there is none. With
-    ``ranks_per_node``, only groups whose kv-block's home is on the rank's node."""
-    nB = home.size
-    eligible = (stage == 0) & (home[kv] != rank) & ranks[rank]
-    if ranks_per_node is not None:
-        eligible &= home[kv] // ranks_per_node == rank // ranks_per_node
-    idx = np.flatnonzero(eligible)
-    if idx.size == 0:
-        return None
-    groups, of_tile = _dense_unique(rank[idx] * nB + (nB - 1 - kv[idx]))
-    return idx, of_tile, groups // nB, weighted_bincount(of_tile, compute[idx], groups.size)
+    ``ranks_per_node``, only groups whose kv-block's home is on the rank's node. Compiled
+    (planner/backward_loops.py ``stage0_kv_groups``)."""
+    found = stage0_kv_groups(*(np.asarray(x, dtype=np.int64) for x in (stage, kv, rank, home)),
+                             np.asarray(compute, dtype=np.float64), np.asarray(ranks, dtype=bool),
+                             0 if ranks_per_node is None else int(ranks_per_node))
+    return None if found[0].size == 0 else found
 
 
 def split_backward_stages(stage: np.ndarray, q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,

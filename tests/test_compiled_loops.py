@@ -195,3 +195,28 @@ def test_stage_renumbering_refuses_a_negative_stage():
 
     with pytest.raises(ValueError, match="stages must be >= 0, got -5"):
         stage_renumbering(np.array([0, -3, 2, -5, 70]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(**PLACEMENTS, per_node=st.sampled_from([None, 1, 2, 4]))
+def test_stage0_remote_kv_groups_are_their_numpy_form(seed, num_blocks, world_size, num_tiles, num_stages, per_node):
+    """planner/stages_bwd.py ``_stage0_remote_kv_groups`` (compiled: backward_loops.stage0_kv_groups)
+    against a dense unique over ``rank * nB + (nB - 1 - kv)`` and a bincount of the groups' seconds."""
+    from blockattn.planner.stages_bwd import _stage0_remote_kv_groups
+
+    q, kv, rank, home, _ = _placement(seed, num_blocks, world_size, num_tiles, num_stages)
+    rng = np.random.default_rng(seed + 3)
+    stage = backward_stages(q, kv, rank, home, num_stages)
+    compute = rng.exponential(1e-6, q.size)
+    ranks = rng.random(world_size) < 0.7
+    got = _stage0_remote_kv_groups(stage, kv, rank, home, compute, ranks, per_node)
+    eligible = (stage == 0) & (home[kv] != rank) & ranks[rank]
+    if per_node is not None:
+        eligible &= home[kv] // per_node == rank // per_node
+    idx = np.flatnonzero(eligible)
+    if idx.size == 0:
+        assert got is None
+        return
+    groups, of_tile = np.unique(rank[idx] * num_blocks + (num_blocks - 1 - kv[idx]), return_inverse=True)
+    want = (idx, of_tile.ravel(), groups // num_blocks, np.bincount(of_tile.ravel(), weights=compute[idx]))
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
