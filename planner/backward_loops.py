@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .jit import compiled
 from .group_loops import by_rank_and_block
-from .tile_loops import stage_loads
+from .jit import compiled
+from .tile_loops import grouped_running_sums, stage_loads
 
 
 @compiled
@@ -82,15 +82,10 @@ def split_stage0_groups(stage, kv, rank, home, compute, comm_time, world_size, n
     idx, of_tile, group_rank, group_seconds = stage0_kv_groups(stage, kv, rank, home, compute, take > 0, 0)
     if idx.size == 0:
         return stage
-    # the running sum over all groups less the sum before the rank's first (``_grouped_cumsum``'s floats)
+    upto = grouped_running_sums(group_rank, group_seconds)  # (each rank's groups, latest first)
     moved = np.empty(group_rank.size, dtype=np.bool_)
-    cum, before = 0.0, 0.0
     for g in range(group_rank.size):
-        value = group_seconds[g]
-        cum += value
-        if g == 0 or group_rank[g] != group_rank[g - 1]:
-            before = cum - value
-        moved[g] = cum - before <= take[group_rank[g]]
+        moved[g] = upto[g] <= take[group_rank[g]]
     out = stage.copy()
     for j in range(idx.size):
         if moved[of_tile[j]]:

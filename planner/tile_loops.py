@@ -170,15 +170,23 @@ def group_by_rank(tiles, rank, seconds, world_size):
     tiles less the sum before the rank's first, as ``_grouped_cumsum`` computes them (same floats)."""
     order = tiles[counting_order(rank[tiles], world_size)]
     ranks = rank[order]
-    end = np.empty(order.size)
-    cum, before = 0.0, 0.0  # running sum; at the rank's first tile, the running sum less that tile
-    for i in range(order.size):
-        value = seconds[order[i]]
+    return order, ranks, grouped_running_sums(ranks, seconds[order])
+
+
+@compiled
+def grouped_running_sums(keys, values):
+    """Per position, ``values`` summed over the positions up to it with the same key, the keys in runs:
+    the running sum over all positions less the sum before the run's first (planner/stages.py
+    ``_grouped_cumsum``'s floats)."""
+    out = np.empty(values.size)
+    cum, before = 0.0, 0.0
+    for i in range(values.size):
+        value = values[i]
         cum += value
-        if i == 0 or ranks[i] != ranks[i - 1]:
+        if i == 0 or keys[i] != keys[i - 1]:
             before = cum - value
-        end[i] = cum - before
-    return order, ranks, end
+        out[i] = cum - before
+    return out
 
 
 @compiled
