@@ -25,10 +25,10 @@ import numpy as np
 
 from . import group_loops
 from .cost_model import CostModel
-from .placement import first_occurrence, per_rank_and_stage, run_heads, weighted_bincount
+from .placement import first_occurrence, per_rank_and_stage, weighted_bincount
 from .schedule import KIND_KV, KIND_Q, payload_bytes
 from .stage_cuts import max_over_items, remote_items, stage_items
-from .tile_loops import group_by_rank, pour
+from .tile_loops import group_by_rank, grouped_running_sums, pour
 
 
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
@@ -120,9 +120,8 @@ def _grouped_cumsum(key: np.ndarray, value: np.ndarray) -> np.ndarray:
     grouped = key.size < 2 or bool((key[1:] >= key[:-1]).all())
     by = None if grouped else np.argsort(key, kind="stable")
     k, v = (key, value) if grouped else (key[by], value[by])
-    cum = np.cumsum(v)
-    group_start = np.maximum.accumulate(np.where(run_heads(k), np.arange(k.size), 0))
-    sums = cum - (cum - v)[group_start]
+    # (the running sum less the sum before each group's first: compiled, planner/tile_loops.py)
+    sums = grouped_running_sums(np.ascontiguousarray(k, dtype=np.int64), np.ascontiguousarray(v, dtype=np.float64))
     if grouped:
         return sums
     out = np.empty_like(sums)
