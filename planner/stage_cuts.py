@@ -18,54 +18,97 @@ import numpy as np
 from .jit import compiled
 from .sort_loops import counting_order, stable_argsort
 
+TABLE_PER_ENTRY = 4  # ``remote_items`` numbers items on a table of every key up to 4 keys per entry
 
 
 @compiled
 def remote_items(q, kv, rank, home):
     """The (tile, item) entries of the tiles' remote inputs and their items: (``tile_idx``, ``item_of``,
     the items' keys ``(rank * 2 + is_kv) * nB + block`` ascending, the number of Q entries, each tile's
-    count of remote inputs). Items found by two stable counting passes over the entries (by block, then
-    by rank and kind): O(entries + nB + P), where a table of every key would be 2 P nB wide."""
+    count of remote inputs). Items numbered on a table of every key where it is small against the
+    entries (one node: 2 P nB = 16K keys for ~150K entries at 128K / 8), else by two stable counting
+    passes (``items_by_counting``; 1M / 64: 1M keys)."""
     n, num_blocks = q.size, home.size
     num_q, num_kv, top = 0, 0, 0
     needs = np.zeros(n, dtype=np.int64)
     for i in range(n):
-        top = max(top, rank[i])
-        if home[q[i]] != rank[i]:
+        r = rank[i]
+        top = max(top, r)
+        need = 0
+        if home[q[i]] != r:
             num_q += 1
-            needs[i] += 1
-        if home[kv[i]] != rank[i]:
+            need += 1
+        if home[kv[i]] != r:
             num_kv += 1
-            needs[i] += 1
+            need += 1
+        needs[i] = need
     m = num_q + num_kv
     tile_idx = np.empty(m, dtype=np.int64)
-    block = np.empty(m, dtype=np.int64)
-    group = np.empty(m, dtype=np.int64)  # rank * 2 + is_kv
+    key = np.empty(m, dtype=np.int64)
     j, k = 0, num_q
     for i in range(n):
-        if home[q[i]] != rank[i]:
-            tile_idx[j], block[j], group[j] = i, q[i], rank[i] * 2
+        if needs[i] == 0:
+            continue
+        r = rank[i]
+        if home[q[i]] != r:
+            tile_idx[j], key[j] = i, 2 * r * num_blocks + q[i]
             j += 1
-        if home[kv[i]] != rank[i]:
-            tile_idx[k], block[k], group[k] = i, kv[i], rank[i] * 2 + 1
+        if home[kv[i]] != r:
+            tile_idx[k], key[k] = i, (2 * r + 1) * num_blocks + kv[i]
             k += 1
-    by_block = counting_order(block, num_blocks)
-    keys = np.empty(m, dtype=np.int64)
+    width = 2 * (top + 1) * num_blocks
+    if width <= TABLE_PER_ENTRY * m:
+        item_of, item_keys = items_by_table(key, width)
+    else:
+        item_of, item_keys = items_by_counting(key, num_blocks, 2 * (top + 1))
+    return tile_idx, item_of, item_keys, num_q, needs
+
+
+@compiled
+def items_by_table(key, width):
+    """(each entry's item, the items' keys ascending) of ints ``key`` in [0, ``width``): the distinct keys
+    marked on a table and numbered in order."""
+    index = np.zeros(width, dtype=np.int64)  # 1 + the key's item, 0 where absent
+    for a in range(key.size):
+        index[key[a]] = 1
+    count = 0
+    for w in range(width):
+        if index[w]:
+            count += 1
+            index[w] = count
+    item_keys = np.empty(count, dtype=np.int64)
+    item_of = np.empty(key.size, dtype=np.int64)
+    for a in range(key.size):
+        item = index[key[a]] - 1
+        item_of[a] = item
+        item_keys[item] = key[a]
+    return item_of, item_keys
+
+
+@compiled
+def items_by_counting(key, num_blocks, num_groups):
+    """``items_by_table`` of keys ``group * num_blocks + block`` (group < ``num_groups``) without a table of
+    every key: two stable counting passes, by block then by group, O(entries + nB + groups)."""
+    m = key.size
+    block = np.empty(m, dtype=np.int64)
     for a in range(m):
-        keys[a] = group[by_block[a]]
-    by_group = counting_order(keys, 2 * (top + 1))
+        block[a] = key[a] % num_blocks
+    by_block = counting_order(block, num_blocks)
+    group = np.empty(m, dtype=np.int64)
+    for a in range(m):
+        group[a] = key[by_block[a]] // num_blocks
+    by_group = counting_order(group, num_groups)
     item_of = np.empty(m, dtype=np.int64)
     item_keys = np.empty(m, dtype=np.int64)
     count, previous = 0, -1
     for a in range(m):
         e = by_block[by_group[a]]
-        key = group[e] * num_blocks + block[e]
-        if key != previous:
-            item_keys[count] = key
+        if key[e] != previous:
+            item_keys[count] = key[e]
             count += 1
-            previous = key
+            previous = key[e]
         item_of[e] = count - 1
-    return tile_idx, item_of, item_keys[:count].copy(), num_q, needs
+    return item_of, item_keys[:count].copy()
 
 
 @compiled
@@ -79,11 +122,11 @@ def max_over_items(n, tile_idx, value, num_q_entries, fill):
 
 
 @compiled
-def _cut_items(lo, hi, budget, scale, max_stages, cum_time, done_sorted, cum_done, cuts):
+def _cut_items(lo, hi, budget, scale, max_stages, cum_time, unlocked, cuts):
     """One rank's items ``order[lo:hi]`` cut into stages, written as (begin, end, stage) rows into
     ``cuts``: each group as long as the compute of the previous stage (``budget``: the local compute
-    for stage 1) times ``scale`` can hide, the last stage taking the rest. Returns (estimated overlapped
-    time, number of rows)."""
+    for stage 1) times ``scale`` can hide, the last stage taking the rest. ``unlocked[k]``: the compute
+    of the remote tiles complete before position k. Returns (estimated overlapped time, number of rows)."""
     begin, s, count, estimate = lo, 1, 0, 0.0
     while begin < hi:
         if s == max_stages:
@@ -96,9 +139,7 @@ def _cut_items(lo, hi, budget, scale, max_stages, cum_time, done_sorted, cum_don
         count += 1
         estimate += max(budget, cum_time[end] - cum_time[begin])
         # compute unlocked by this stage's items hides the next stage's transfers
-        a = np.searchsorted(done_sorted, begin)
-        b = np.searchsorted(done_sorted, end)
-        budget = cum_done[b] - cum_done[a]
+        budget = unlocked[end] - unlocked[begin]
         begin, s = end, s + 1
     return estimate + budget, count
 
@@ -140,27 +181,31 @@ def stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time
     cum_time = np.zeros(K + 1)
     for i in range(K):
         cum_time[i + 1] = cum_time[i] + item_time[order[i]]
+    # The compute of the remote tiles complete before each position, summed in the order of a stable
+    # sort of the tiles by the position they complete at (a counting pass, writing only their compute):
+    # what the cuts read, at every position.
     local_compute = np.zeros(world_size)
-    num_remote = 0
+    first = np.zeros(K + 1, dtype=np.int64)  # (counts, then each position's first slot)
     for t in range(n):
         if remote[t]:
-            num_remote += 1
+            first[done_at[t] + 1] += 1
         else:
             local_compute[rank[t]] += compute_time[t]
-    remote_tiles = np.empty(num_remote, dtype=np.int64)
-    done_remote = np.empty(num_remote, dtype=np.int64)
-    m = 0
+    for k in range(K):
+        first[k + 1] += first[k]
+    compute_by_done = np.empty(first[K])
+    slot = first[:K].copy()
     for t in range(n):
         if remote[t]:
-            remote_tiles[m], done_remote[m] = t, done_at[t]
-            m += 1
-    # remote tiles by the position they complete at (stable, as numpy's stable argsort)
-    by_done = remote_tiles[counting_order(done_remote, K)]
-    done_sorted = np.empty(num_remote, dtype=np.int64)
-    cum_done = np.zeros(num_remote + 1)
-    for i in range(num_remote):
-        done_sorted[i] = done_at[by_done[i]]
-        cum_done[i + 1] = cum_done[i] + compute_time[by_done[i]]
+            compute_by_done[slot[done_at[t]]] = compute_time[t]
+            slot[done_at[t]] += 1
+    unlocked = np.zeros(K + 1)
+    total = 0.0
+    for k in range(K):
+        unlocked[k] = total
+        for i in range(first[k], first[k + 1]):
+            total += compute_by_done[i]
+    unlocked[K] = total
 
     item_stage = np.zeros(K, dtype=np.int64)
     cuts = np.empty((K + 1, 3), dtype=np.int64)
@@ -171,8 +216,7 @@ def stage_items(n, tile_idx, item_of, num_q_entries, needs, item_rank, item_time
             continue
         best, best_count = np.inf, 0
         for scale in scales:  # (the first of equal estimates, as min() keeps it)
-            estimate, count = _cut_items(lo, hi, local_compute[r], scale, max_stages, cum_time, done_sorted,
-                                         cum_done, cuts)
+            estimate, count = _cut_items(lo, hi, local_compute[r], scale, max_stages, cum_time, unlocked, cuts)
             if estimate < best:
                 best, best_count = estimate, count
                 for c in range(count):

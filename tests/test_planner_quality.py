@@ -1222,11 +1222,11 @@ def test_cut_items_by_hand():
     from blockattn.planner.stage_cuts import _cut_items
 
     cum_time = np.arange(13.0)
-    done_sorted, cum_done = np.arange(12), np.arange(13.0)
+    unlocked = np.arange(13.0)  # (item k completes one tile of 1 s)
     results = []
     for scale in (1.0, 4.0):
         cuts = np.zeros((13, 3), dtype=np.int64)
-        estimate, count = _cut_items(0, 12, 1.0, scale, 4, cum_time, done_sorted, cum_done, cuts)
+        estimate, count = _cut_items(0, 12, 1.0, scale, 4, cum_time, unlocked, cuts)
         results.append((estimate, [tuple(row) for row in cuts[:count].tolist()]))
     assert results[0] == (21.0, [(0, 1, 1), (1, 2, 2), (2, 3, 3), (3, 12, 4)])
     assert results[1] == (20.0, [(0, 4, 1), (4, 12, 2)])
