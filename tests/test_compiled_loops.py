@@ -172,6 +172,21 @@ def test_remote_items_are_the_distinct_remote_inputs(seed, num_blocks, world_siz
 
 
 @settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), num_blocks=st.integers(1, 50), num_groups=st.integers(1, 20),
+       num_entries=st.integers(0, 300))
+def test_items_by_table_and_by_counting_agree(seed, num_blocks, num_groups, num_entries):
+    """planner/stage_cuts.py: ``remote_items``' two ways of numbering items (a table of every key, and
+    two counting passes where that table would be wide) give np.unique's keys and inverse."""
+    from blockattn.planner.stage_cuts import items_by_counting, items_by_table
+
+    key = np.random.default_rng(seed).integers(0, num_groups * num_blocks, num_entries)
+    want_keys, want_of = np.unique(key, return_inverse=True)
+    for item_of, item_keys in (items_by_table(key, num_groups * num_blocks),
+                               items_by_counting(key, num_blocks, num_groups)):
+        assert np.array_equal(item_keys, want_keys) and np.array_equal(item_of, want_of.ravel())
+
+
+@settings(max_examples=80, deadline=None)
 @given(stages=st.lists(st.integers(0, 150), min_size=1, max_size=60), int32=st.booleans())
 def test_stage_renumbering_compacts_the_used_stages(stages, int32):
     """planner/placement.py ``stage_renumbering`` / ``compact_stages``: used stages >= 1 renumbered 1, 2,
