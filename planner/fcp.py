@@ -41,7 +41,8 @@ from .cost_model import CostModel
 from .fcp_pack import cut_pieces, pack_pieces
 from .placement import Placement, compact_stages, prefix_sums, weighted_bincount
 from .stages import assign_stages
-from .tiles import TileSet, boundary_crossings
+from .tile_loops import reads_from_afar, segment_crossings
+from .tiles import TileSet
 
 SEGMENT_CUT = 2  # a boundary crossed by at most this many tiles separates two segments
 PIECES_PER_RANK = 4  # long segments are cut into pieces of cap / 4 blocks
@@ -77,18 +78,10 @@ def segments(tiles: TileSet, documents: bool = False) -> np.ndarray:
 
 def _segments(tiles: TileSet, documents: bool) -> np.ndarray:
     nB = tiles.num_blocks
-    crossing = tiles.crossing_counts()
-    if documents:
-        started = (tiles.kv < tiles.q) & ~tiles.full  # partial tiles into a block a document starts in
-        crossing = crossing - np.bincount(tiles.kv[started] + 1, minlength=nB + 1)[: nB + 1]
-    columns = shared_columns(tiles)
-    if columns.size:
-        shared = np.zeros(nB, dtype=bool)
-        shared[columns] = True
-        sel = shared[tiles.kv]
-        if documents:
-            sel &= ~started  # (already left out at the boundary after their kv-block)
-        crossing = crossing - boundary_crossings(tiles.q[sel], tiles.kv[sel], nB)
+    shared = np.zeros(nB, dtype=bool)
+    shared[shared_columns(tiles)] = True
+    # (one compiled pass: planner/tile_loops.py)
+    crossing = segment_crossings(tiles.q, tiles.kv, tiles.full, tiles.crossing_counts(), shared, documents)
     cuts = np.flatnonzero(crossing[1:-1] <= SEGMENT_CUT) + 1
     return np.concatenate(([0], cuts, [nB])).astype(np.int64)
 
@@ -101,14 +94,7 @@ def shared_columns(tiles: TileSet) -> np.ndarray:
     nB = tiles.num_blocks
     if nB < 4 or tiles.num_tiles == 0:
         return np.zeros(0, dtype=np.int64)
-    q, kv = tiles.q, tiles.kv  # (q, kv)-sorted
-    run_start = np.ones(q.size, dtype=bool)
-    run_start[1:] = (q[1:] != q[:-1]) | (kv[1:] != kv[:-1] + 1)
-    run = np.cumsum(run_start)
-    last_run = np.zeros(nB, dtype=np.int64)
-    last_run[q] = run  # the last write per row wins: its last run
-    afar = run != last_run[q]
-    return np.flatnonzero(np.bincount(kv[afar], minlength=nB) > SHARED_COLUMN * nB)
+    return np.flatnonzero(reads_from_afar(tiles.q, tiles.kv, nB) > SHARED_COLUMN * nB)
 
 
 def kv_read_across(tiles: TileSet, kv_bytes: np.ndarray) -> np.ndarray:

@@ -303,3 +303,61 @@ def key_sums(keys, weights, size):
     ``np.bincount(keys, weights=weights, minlength=size)``, which on a merged plan's ~10K tiles costs ~4x
     this loop)."""
     return _cell_sums(keys, None, 1, weights, size)
+
+
+@compiled
+def boundary_crossings(q, kv, num_blocks):
+    """int64 [nB + 1]: for boundary j (between blocks j-1 and j), the tiles (q, kv) whose q and kv lie on
+    opposite sides: +1 at the lower block's boundary after it, -1 after the higher, summed up."""
+    diff = np.zeros(num_blocks + 1, dtype=np.int64)
+    for i in range(q.size):
+        lo, hi = min(q[i], kv[i]), max(q[i], kv[i])
+        diff[lo + 1] += 1
+        diff[hi + 1] -= 1
+    running = 0
+    for j in range(num_blocks + 1):
+        running += diff[j]
+        diff[j] = running
+    return diff
+
+
+@compiled
+def segment_crossings(q, kv, full, crossing, shared, documents):
+    """planner/fcp.py ``segments``' counts: ``crossing`` (every tile's) less the tiles that do not join
+    segments: with ``documents`` a partial tile into an earlier block (the block its document starts in)
+    at the boundary after that block, else a tile reading a ``shared`` kv-block at every boundary it
+    crosses."""
+    size = crossing.size  # nB + 1
+    point = np.zeros(size, dtype=np.int64)
+    diff = np.zeros(size + 1, dtype=np.int64)
+    for i in range(q.size):
+        if documents and kv[i] < q[i] and not full[i]:
+            point[kv[i] + 1] += 1
+        elif shared[kv[i]]:
+            diff[min(q[i], kv[i]) + 1] += 1
+            diff[max(q[i], kv[i]) + 1] -= 1
+    out = np.empty(size, dtype=np.int64)
+    running = 0
+    for j in range(size):
+        running += diff[j]
+        out[j] = crossing[j] - point[j] - running
+    return out
+
+
+@compiled
+def reads_from_afar(q, kv, num_blocks):
+    """int64 [nB]: per kv-block, the (q, kv)-sorted tiles reading it in a run of consecutive kv-blocks
+    other than their row's last run (planner/fcp.py ``shared_columns``)."""
+    counts = np.zeros(num_blocks, dtype=np.int64)
+    n, begin = q.size, 0
+    while begin < n:
+        end = begin + 1
+        while end < n and q[end] == q[begin]:
+            end += 1
+        last_run = end - 1
+        while last_run > begin and kv[last_run] == kv[last_run - 1] + 1:
+            last_run -= 1
+        for i in range(begin, last_run):
+            counts[kv[i]] += 1
+        begin = end
+    return counts

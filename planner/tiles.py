@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .tile_loops import merge_tiles
+from .tile_loops import boundary_crossings, merge_tiles
 
 # BlockMask -> TileSet, so planning the same mask for several world sizes / strategies converts once.
 _from_block_mask_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -87,18 +87,10 @@ class TileSet:
         Computed once per TileSet (dcp's candidates and its segment test all read it)."""
         cached = self.__dict__.get("_crossing")
         if cached is None:
-            cached = boundary_crossings(self.q, self.kv, self.num_blocks)
+            cached = boundary_crossings(self.q, self.kv, self.num_blocks)  # (compiled: planner/tile_loops.py)
             cached.setflags(write=False)
             object.__setattr__(self, "_crossing", cached)  # (frozen dataclass: a private memo)
         return cached
-
-
-def boundary_crossings(q: np.ndarray, kv: np.ndarray, num_blocks: int) -> np.ndarray:
-    """int64 [nB + 1]: for boundary j (between blocks j-1 and j), how many of the tiles (q, kv) have
-    their q and kv on opposite sides (``TileSet.crossing_counts`` over a subset of the tiles)."""
-    lo, hi = np.minimum(q, kv), np.maximum(q, kv)
-    size = num_blocks + 2
-    return np.cumsum(np.bincount(lo + 1, minlength=size) - np.bincount(hi + 1, minlength=size))[: num_blocks + 1]
 
 
 def forget_tile_sets() -> None:

@@ -187,6 +187,41 @@ def test_items_by_table_and_by_counting_agree(seed, num_blocks, num_groups, num_
 
 
 @settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), num_blocks=st.integers(1, 40), num_tiles=st.integers(0, 400),
+       documents=st.booleans())
+def test_segment_counts_match_their_numpy_forms(seed, num_blocks, num_tiles, documents):
+    """planner/tile_loops.py ``boundary_crossings``, ``reads_from_afar`` and ``segment_crossings`` (the
+    counts behind planner/fcp.py ``segments``) against the numpy passes they replace, on random
+    (q, kv)-sorted tiles with runs of consecutive kv-blocks."""
+    from blockattn.planner.tile_loops import boundary_crossings, reads_from_afar, segment_crossings
+
+    rng = np.random.default_rng(seed)
+    cells = np.unique(rng.integers(0, num_blocks, (2, num_tiles)), axis=1)  # (q, kv)-sorted, distinct
+    q, kv = cells[0].copy(), cells[1].copy()
+    full = rng.random(q.size) < 0.5
+    nB = num_blocks
+
+    def crossings_numpy(q, kv):
+        lo, hi = np.minimum(q, kv), np.maximum(q, kv)
+        return np.cumsum(np.bincount(lo + 1, minlength=nB + 2) - np.bincount(hi + 1, minlength=nB + 2))[: nB + 1]
+
+    crossing = boundary_crossings(q, kv, nB)
+    assert np.array_equal(crossing, crossings_numpy(q, kv))
+    run_start = np.ones(q.size, dtype=bool)
+    run_start[1:] = (q[1:] != q[:-1]) | (kv[1:] != kv[:-1] + 1)
+    run = np.cumsum(run_start)
+    last_run = np.zeros(nB, dtype=np.int64)
+    last_run[q] = run
+    assert np.array_equal(reads_from_afar(q, kv, nB), np.bincount(kv[run != last_run[q]], minlength=nB))
+    shared = rng.random(nB) < 0.3
+    started = (kv < q) & ~full if documents else np.zeros(q.size, dtype=bool)
+    sel = shared[kv] & ~started
+    want = (crossing - np.bincount(kv[started] + 1, minlength=nB + 1)[: nB + 1]
+            - crossings_numpy(q[sel], kv[sel]))
+    assert np.array_equal(segment_crossings(q, kv, full, crossing, shared, documents), want)
+
+
+@settings(max_examples=80, deadline=None)
 @given(stages=st.lists(st.integers(0, 150), min_size=1, max_size=60), int32=st.booleans())
 def test_stage_renumbering_compacts_the_used_stages(stages, int32):
     """planner/placement.py ``stage_renumbering`` / ``compact_stages``: used stages >= 1 renumbered 1, 2,
