@@ -287,6 +287,7 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
         local_blocks=local,
         tile_q=tile_q, tile_kv=tile_kv, tile_full=tile_full,
         tile_rank=as32(rank), tile_stage=as32(stage), num_stages=num_stages, schedule=schedule,
-        tile_pairs=torch.from_numpy(tiles.pairs.astype(np.int64)), cost_model=cost_model, kv_relay=as32(relay),
+        tile_pairs=torch.from_numpy(np.asarray(tiles.pairs, dtype=np.int64)),  # (the TileSet's: both only read it)
+        cost_model=cost_model, kv_relay=as32(relay),
         tile_stage_bwd=as32(stage_bwd),
         search=tuple((str(step), None if t is None else float(t)) for step, t in placement.search))

@@ -51,7 +51,7 @@ class TileSet:
             num_blocks=int(bm.num_blocks),
             q=tq.numpy().astype(np.int64),
             kv=tk.numpy().astype(np.int64),
-            full=tf.numpy().astype(bool),
+            full=tf.numpy().astype(bool, copy=False),  # (the mask's own where bool already: only read)
             pairs=np.asarray(bm.tile_pairs().numpy(), dtype=np.int64),  # (a new array: no copy)
         )
         object.__setattr__(result, "_mask_tensors", (tq, tk, tf))  # (frozen dataclass: a private memo)
