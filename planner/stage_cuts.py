@@ -30,7 +30,7 @@ def remote_items(q, kv, rank, home):
     passes (``items_by_counting``; 1M / 64: 1M keys)."""
     n, num_blocks = q.size, home.size
     num_q, num_kv, top = 0, 0, 0
-    needs = np.zeros(n, dtype=np.int64)
+    needs = np.empty(n, dtype=np.int64)
     for i in range(n):
         r = rank[i]
         top = max(top, r)

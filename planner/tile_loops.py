@@ -39,8 +39,9 @@ def merge_tiles(q, kv, full, pairs, factor, shift, num_blocks):
     num_merged_blocks = (num_blocks + factor - 1) // factor
     merged_q = np.empty(n, dtype=np.int64)
     merged_kv = np.empty(n, dtype=np.int64)
-    merged_pairs = np.zeros(n, dtype=np.int64)
-    merged_full = np.zeros(n, dtype=np.int64)
+    # (sized for the worst case, zeroed per merged tile as it is found: zeroing n cells took ~10%)
+    merged_pairs = np.empty(n, dtype=np.int64)
+    merged_full = np.empty(n, dtype=np.int64)
     of_real = np.empty(n, dtype=np.int64)
     seen_in_row = np.full(num_merged_blocks, -1, dtype=np.int64)  # the merged row that last held the column
     index = np.empty(num_merged_blocks, dtype=np.int64)  # the column's merged tile in that row
@@ -63,6 +64,7 @@ def merge_tiles(q, kv, full, pairs, factor, shift, num_blocks):
         for col in range(lo, hi + 1):
             if seen_in_row[col] == row:
                 merged_q[m], merged_kv[m], index[col] = row, col, m
+                merged_pairs[m], merged_full[m] = 0, 0
                 m += 1
         # a real row's consecutive tiles mostly share a merged tile: sum them in registers (a sum into
         # the same array cell as the tile before waits for that store, ~3x slower)
