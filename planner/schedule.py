@@ -41,6 +41,7 @@ import functools
 import numpy as np
 import torch
 
+from .comm_loops import dkv_routes as comm_dkv_routes
 from .comm_loops import relay_free_rows
 from .group_loops import group_stages, group_tiles
 from .placement import run_heads
@@ -432,27 +433,6 @@ def dkv_routes(home, r, b, last, src, num_blocks: int, num_stages: int) -> tuple
     partial of its own) sends through t when t can forward it one stage later (<= S): t's own row,
     the transit row, leaves after its last child's, so the partials cross the NIC from t, not from
     the reader."""
-    dkv_dst, dkv_stage = home[b].copy(), last + 1
-    none = np.zeros((0, 5), dtype=np.int64)
-    child = np.flatnonzero(src != home[b])
-    if child.size == 0:
-        return dkv_dst, dkv_stage, none
-    group_key = r * num_blocks + b
-    ppos, is_proxy = _lookup(group_key, src[child] * num_blocks + b[child])
-    ok = is_proxy & (last[child] + 2 <= num_stages)
-    # one hop: the parent must send its own partial on, i.e. have got the block from the home or from a
-    # transit rank
-    parent_src = src[ppos[ok]]
-    ok[ok] = (parent_src == home[b[child[ok]]]) | ~_lookup(group_key, parent_src * num_blocks + b[child[ok]])[1]
-    dkv_dst[child[ok]] = src[child[ok]]
-    np.maximum.at(dkv_stage, ppos[ok], last[child[ok]] + 2)
-    through = child[~is_proxy]  # children of transit ranks (their stage may have grown with their own children)
-    through = through[dkv_stage[through] + 1 <= num_stages]
-    if through.size == 0:
-        return dkv_dst, dkv_stage, none
-    dkv_dst[through] = src[through]
-    transit, of_child = np.unique(src[through] * num_blocks + b[through], return_inverse=True)
-    stage = np.zeros(transit.size, dtype=np.int64)
-    np.maximum.at(stage, of_child, dkv_stage[through] + 1)
-    block = transit % num_blocks
-    return dkv_dst, dkv_stage, _rows(stage, transit // num_blocks, home[block], KIND_DKV, block)
+    # (compiled: planner/comm_loops.py; tests/test_comm_times.py checks it against the numpy passes)
+    as64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    return comm_dkv_routes(as64(home), as64(r), as64(b), as64(last), as64(src), int(num_blocks), int(num_stages))

@@ -91,3 +91,55 @@ def test_relay_free_rows_are_the_rows_of_the_receive_groups(seed, world_size, nu
                                rows(q_bwd[3] + 1, q[0], home[q[1]], KIND_DQ, q[1]),
                                rows(kv_bwd[3] + 1, kv[0], home[kv[1]], KIND_DKV, kv[1])])
     assert np.array_equal(fwd, want_fwd) and np.array_equal(bwd, want_bwd)
+
+
+def _dkv_routes_numpy(home, r, b, last, src, num_blocks, num_stages):
+    """planner/schedule.py ``dkv_routes`` as numpy passes (the form the compiled loop replaced)."""
+    def lookup(sorted_keys, keys):
+        pos = np.minimum(np.searchsorted(sorted_keys, keys), sorted_keys.size - 1)
+        return pos, sorted_keys[pos] == keys
+
+    dkv_dst, dkv_stage = home[b].copy(), last + 1
+    none = np.zeros((0, 5), dtype=np.int64)
+    child = np.flatnonzero(src != home[b])
+    if child.size == 0:
+        return dkv_dst, dkv_stage, none
+    group_key = r * num_blocks + b
+    ppos, is_proxy = lookup(group_key, src[child] * num_blocks + b[child])
+    ok = is_proxy & (last[child] + 2 <= num_stages)
+    parent_src = src[ppos[ok]]
+    ok[ok] = (parent_src == home[b[child[ok]]]) | ~lookup(group_key, parent_src * num_blocks + b[child[ok]])[1]
+    dkv_dst[child[ok]] = src[child[ok]]
+    np.maximum.at(dkv_stage, ppos[ok], last[child[ok]] + 2)
+    through = child[~is_proxy]
+    through = through[dkv_stage[through] + 1 <= num_stages]
+    if through.size == 0:
+        return dkv_dst, dkv_stage, none
+    dkv_dst[through] = src[through]
+    transit, of_child = np.unique(src[through] * num_blocks + b[through], return_inverse=True)
+    stage = np.zeros(transit.size, dtype=np.int64)
+    np.maximum.at(stage, of_child, dkv_stage[through] + 1)
+    block = transit % num_blocks
+    rows = np.stack([stage, transit // num_blocks, home[block], np.full(block.size, 5), block], axis=1)
+    return dkv_dst, dkv_stage, rows
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), world_size=st.integers(1, 9), num_blocks=st.integers(1, 12),
+       num_stages=st.integers(1, 5), relayed=st.floats(0.0, 1.0))
+def test_dkv_routes_equal_their_numpy_passes(seed, world_size, num_blocks, num_stages, relayed):
+    """The compiled ``dkv_routes`` (planner/comm_loops.py) against the numpy passes it replaced: every
+    group's DKV destination and stage, and the transit rows, on random receive groups whose KV came from
+    the home, a proxy with tiles of the block, or a transit rank without."""
+    from blockattn.planner.schedule import dkv_routes
+
+    rng = np.random.default_rng(seed)
+    home = rng.integers(0, world_size, num_blocks)
+    cells = np.unique(rng.integers(0, world_size * num_blocks, int(rng.integers(0, 3 * world_size * num_blocks + 1))))
+    r, b = cells // num_blocks, cells % num_blocks  # (ascending r * nB + b, as receive groups are)
+    last = rng.integers(0, num_stages, r.size)
+    src = np.where(rng.random(r.size) < relayed, rng.integers(0, world_size, r.size), home[b])
+    got = dkv_routes(home, r, b, last, src, num_blocks, num_stages)
+    want = _dkv_routes_numpy(home, r, b, last, src, num_blocks, num_stages)
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)
