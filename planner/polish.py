@@ -36,6 +36,7 @@ from dataclasses import replace
 import numpy as np
 
 from .cost_model import CostModel
+from .group_loops import unit_weights
 from .placement import Placement, compact_stages, per_rank_and_stage, positions_by_key, run_heads
 from .schedule import KIND_KV, KIND_OUT, KIND_Q, as_relay_table, derive_schedule, payload_bytes
 from .stages import own_row_movable, spread_local_tiles, spread_own_rows
@@ -282,7 +283,7 @@ class StageSearch:
         own = np.flatnonzero((self.g_rank == r) & ((self.first == f) if starting else (self.hist[:, f] > 0)))
         if own.size == 0:
             return []
-        weight = np.array([self.seconds[self._unit(g, f)].sum() for g in own.tolist()])
+        weight = unit_weights(self.members, self.starts, self.stage, self.seconds, own, f)  # (compiled)
         return own[np.argsort(-weight, kind="stable")[:POLISH_WIDTH]].tolist()
 
     def _slack(self, r: int, j: int) -> list:
