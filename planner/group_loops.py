@@ -197,3 +197,64 @@ def unit_weights(members, starts, stage, seconds, groups, at_stage):
                 n += 1
         out[k] = 0.0 + numpy_sum(scratch, 0, n)
     return out
+
+
+@compiled
+def shift_groups(tiles, old, new, seconds, compute_row, tile_groups, hist, first, last):
+    """The forward / backward polish's move of ``tiles`` (of one rank) from stages ``old`` to ``new``
+    (planner/polish.py ``StageSearch._shift``), in place: the rank's compute per stage (``compute_row``:
+    each tile's seconds taken off its old stage, then added to its new one, in tile order, as np.add.at
+    adds them), the stage histogram ``hist`` [groups, S] of the tiles' groups (``tile_groups`` [kinds,
+    tiles], -1 where none) and those groups' ``first`` / ``last`` stages (an empty row: 0 and S - 1).
+    Returns (the groups, ascending, their histogram rows, first and last stages before the move, the
+    groups whose first stage moved, those whose last moved)."""
+    for i in range(tiles.size):
+        compute_row[old[i]] -= seconds[i]
+    for i in range(tiles.size):
+        compute_row[new[i]] += seconds[i]
+    kinds, S = tile_groups.shape[0], hist.shape[1]
+    touched = np.empty(kinds * tiles.size, dtype=np.int64)
+    count = 0
+    for k in range(kinds):
+        for i in range(tiles.size):
+            g = tile_groups[k, tiles[i]]
+            if g >= 0:
+                touched[count] = g
+                count += 1
+                hist[g, old[i]] -= 1
+                hist[g, new[i]] += 1
+    groups = np.unique(touched[:count])
+    old_hist = np.empty((groups.size, S), dtype=hist.dtype)
+    old_first, old_last = first[groups], last[groups]  # (copies: advanced indexing)
+    moved_first = np.empty(groups.size, dtype=np.int64)
+    moved_last = np.empty(groups.size, dtype=np.int64)
+    num_first = num_last = 0
+    for j in range(groups.size):
+        g = groups[j]
+        for s in range(S):
+            old_hist[j, s] = hist[g, s]
+        f, lst = 0, S - 1
+        for s in range(S):
+            if hist[g, s] > 0:
+                f = s
+                break
+        for s in range(S - 1, -1, -1):
+            if hist[g, s] > 0:
+                lst = s
+                break
+        if f != first[g]:
+            moved_first[num_first] = g
+            num_first += 1
+        if lst != last[g]:
+            moved_last[num_last] = g
+            num_last += 1
+        first[g], last[g] = f, lst
+    # (the histogram rows before the move: the ones after it, with the move taken back)
+    for k in range(kinds):
+        for i in range(tiles.size):
+            g = tile_groups[k, tiles[i]]
+            if g >= 0:
+                j = np.searchsorted(groups, g)
+                old_hist[j, new[i]] -= 1
+                old_hist[j, old[i]] += 1
+    return groups, old_hist, old_first, old_last, moved_first[:num_first].copy(), moved_last[:num_last].copy()

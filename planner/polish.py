@@ -36,7 +36,7 @@ from dataclasses import replace
 import numpy as np
 
 from .cost_model import CostModel
-from .group_loops import unit_weights
+from .group_loops import shift_groups, unit_weights
 from .placement import Placement, compact_stages, per_rank_and_stage, positions_by_key, run_heads
 from .schedule import KIND_KV, KIND_OUT, KIND_Q, as_relay_table, derive_schedule, payload_bytes
 from .stages import own_row_movable, spread_local_tiles, spread_own_rows
@@ -120,6 +120,7 @@ class StageSearch:
         self.num_q_groups = g_rank[0].size
         self.num_groups = g_rank[0].size + g_rank[1].size  # G: the groups with rows
         self.tile_groups = of_tile
+        self.tile_group_table = np.stack(of_tile)  # [kinds, tiles] (``shift_groups``)
         all_groups = self.g_rank.size
         self.hist = np.zeros((all_groups, self.S), dtype=np.int64)
         for groups in self.tile_groups:
@@ -194,21 +195,13 @@ class StageSearch:
         self.stage[tiles] = to
         new = self.stage[tiles]
         r = int(self.rank[tiles[0]])
-        seconds = self.seconds[tiles]
         self._save("compute", r)
-        np.add.at(self.compute[r], np.concatenate([old, new]), np.concatenate([-seconds, seconds]))
-        g = np.concatenate([groups[tiles] for groups in self.tile_groups])
-        keep = g >= 0
-        n = len(self.tile_groups)
-        g, o, s = g[keep], np.concatenate([old] * n)[keep], np.concatenate([new] * n)[keep]
-        groups = np.unique(g)
-        for name in ("hist", "first", "last"):
-            self._save(name, groups)
-        np.add.at(self.hist, (np.concatenate([g, g]), np.concatenate([o, s])), np.repeat(np.array([-1, 1]), g.size))
-        first, last = self._ends(groups)
-        moved_first = groups[first != self.first[groups]]
-        moved_last = groups[last != self.last[groups]]
-        self.first[groups], self.last[groups] = first, last
+        # (compiled: the rank's compute per stage, the groups' histogram rows and first / last stages)
+        groups, *before, moved_first, moved_last = shift_groups(tiles, old, new, self.seconds[tiles], self.compute[r],
+                                                               self.tile_group_table, self.hist, self.first,
+                                                               self.last)
+        if self._journal is not None:
+            self._journal.extend((name, groups, values) for name, values in zip(("hist", "first", "last"), before))
         G = self.num_groups
         moved_first = moved_first[moved_first < G]  # (local groups have no rows)
         ranks = np.unique(np.append(self._reroute(moved_first, moved_last[moved_last < G]), r))

@@ -243,6 +243,55 @@ def test_numpy_sum_gives_np_sums_floats(seed, size):
 
 
 @settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), num_tiles=st.integers(1, 60), num_groups=st.integers(1, 12),
+       num_stages=st.integers(1, 5), kinds=st.integers(1, 3))
+def test_shift_groups_matches_the_numpy_update(seed, num_tiles, num_groups, num_stages, kinds):
+    """planner/group_loops.py ``shift_groups`` (the polish's move) against the numpy updates it replaced:
+    compute per stage (np.add.at's floats), the groups' histogram, first / last stages, the groups
+    whose first or last moved, and the values before the move that undo restores."""
+    from blockattn.planner.group_loops import shift_groups
+
+    rng = np.random.default_rng(seed)
+    stage = rng.integers(0, num_stages, num_tiles)
+    table = np.where(rng.random((kinds, num_tiles)) < 0.8, rng.integers(0, num_groups, (kinds, num_tiles)), -1)
+    for k in range(kinds):  # (kinds hold distinct group ids, as the polish numbers them)
+        table[k][table[k] >= 0] += k * num_groups
+    hist = np.zeros((kinds * num_groups, num_stages), dtype=np.int64)
+    for k in range(kinds):
+        t = np.flatnonzero(table[k] >= 0)
+        np.add.at(hist, (table[k][t], stage[t]), 1)
+
+    def ends(h):
+        used = h > 0
+        return used.argmax(axis=1), num_stages - 1 - used[:, ::-1].argmax(axis=1)
+
+    first, last = ends(hist)
+    seconds = rng.random(num_tiles) * 10.0 ** rng.integers(-3, 3, num_tiles)
+    compute = rng.random(num_stages)
+    tiles = np.unique(rng.integers(0, num_tiles, int(rng.integers(1, num_tiles + 1))))
+    old, new = stage[tiles], rng.integers(0, num_stages, tiles.size)
+
+    want_compute = compute.copy()
+    np.add.at(want_compute, np.concatenate([old, new]), np.concatenate([-seconds[tiles], seconds[tiles]]))
+    g = np.concatenate([table[k][tiles] for k in range(kinds)])
+    keep = g >= 0
+    g, o, n = g[keep], np.concatenate([old] * kinds)[keep], np.concatenate([new] * kinds)[keep]
+    groups = np.unique(g)
+    want_hist = hist.copy()
+    np.add.at(want_hist, (np.concatenate([g, g]), np.concatenate([o, n])), np.repeat(np.array([-1, 1]), g.size))
+    new_first, new_last = ends(want_hist[groups])
+
+    got_hist, got_first, got_last, got_compute = hist.copy(), first.copy(), last.copy(), compute.copy()
+    out = shift_groups(tiles, old, new, seconds[tiles], got_compute, table, got_hist, got_first, got_last)
+    assert got_compute.tolist() == want_compute.tolist() and np.array_equal(got_hist, want_hist)
+    assert np.array_equal(out[0], groups) and np.array_equal(out[1], hist[groups])
+    assert np.array_equal(out[2], first[groups]) and np.array_equal(out[3], last[groups])
+    assert np.array_equal(got_first[groups], new_first) and np.array_equal(got_last[groups], new_last)
+    assert np.array_equal(out[4], groups[new_first != first[groups]])
+    assert np.array_equal(out[5], groups[new_last != last[groups]])
+
+
+@settings(max_examples=80, deadline=None)
 @given(stages=st.lists(st.integers(0, 150), min_size=1, max_size=60), int32=st.booleans())
 def test_stage_renumbering_compacts_the_used_stages(stages, int32):
     """planner/placement.py ``stage_renumbering`` / ``compact_stages``: used stages >= 1 renumbered 1, 2,
