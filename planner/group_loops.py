@@ -258,3 +258,20 @@ def shift_groups(tiles, old, new, seconds, compute_row, tile_groups, hist, first
                 old_hist[j, new[i]] -= 1
                 old_hist[j, old[i]] += 1
     return groups, old_hist, old_first, old_last, moved_first[:num_first].copy(), moved_last[:num_last].copy()
+
+
+@compiled
+def add_rows(rows, sign, row_on, row_link, row_ex, row_bytes, row_src, row_dst, load, rows_at):
+    """The polish's row loads (planner/polish.py ``StageSearch._add_rows``), in place: each of ``rows``
+    that is on adds (``sign`` 1) or removes (-1) its bytes at its source (send) and destination
+    (receive) in its exchange, on its link (``load`` [link, send / receive, rank, exchange]), and
+    counts itself there (``rows_at`` [link, rank, exchange]). Integers: any order gives the same sums."""
+    for k in range(rows.size):
+        i = rows[k]
+        if not row_on[i]:
+            continue
+        link, ex, nbytes = row_link[i], row_ex[i], row_bytes[i] * sign
+        load[link, 0, row_src[i], ex] += nbytes
+        load[link, 1, row_dst[i], ex] += nbytes
+        rows_at[link, row_src[i], ex] += sign
+        rows_at[link, row_dst[i], ex] += sign

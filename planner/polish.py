@@ -36,7 +36,7 @@ from dataclasses import replace
 import numpy as np
 
 from .cost_model import CostModel
-from .group_loops import shift_groups, unit_weights
+from .group_loops import add_rows, shift_groups, unit_weights
 from .placement import Placement, compact_stages, per_rank_and_stage, positions_by_key, run_heads
 from .schedule import KIND_KV, KIND_OUT, KIND_Q, as_relay_table, derive_schedule, payload_bytes
 from .stages import own_row_movable, spread_local_tiles, spread_own_rows
@@ -163,14 +163,9 @@ class StageSearch:
 
     def _add_rows(self, rows: np.ndarray, sign: int) -> None:
         """Add (``sign`` 1) or remove (-1) ``rows``' bytes and counts at both ends in their exchanges
-        (rows switched off are not counted)."""
-        rows = rows[self.row_on[rows]]
-        link, ex, b = self.row_link[rows], self.row_ex[rows], self.row_bytes[rows] * sign
-        ends = np.concatenate([self.row_src[rows], self.row_dst[rows]])
-        link2, ex2 = np.concatenate([link, link]), np.concatenate([ex, ex])
-        side = np.repeat(np.arange(2), rows.size)
-        np.add.at(self.load, (link2, side, ends, ex2), np.concatenate([b, b]))
-        np.add.at(self.rows_at, (link2, ends, ex2), sign)
+        (rows switched off are not counted; compiled: planner/group_loops.py ``add_rows``)."""
+        add_rows(np.asarray(rows, dtype=np.int64), sign, self.row_on, self.row_link, self.row_ex, self.row_bytes,
+                 self.row_src, self.row_dst, self.load, self.rows_at)
 
     def _comm(self, ranks) -> np.ndarray:
         """Transfer time of ``ranks`` (an int or an array) in every exchange (planner/cost_model.py
