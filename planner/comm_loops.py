@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .group_loops import numpy_sum
 from .jit import compiled
 
 
@@ -135,3 +136,27 @@ def dkv_routes(home, r, b, last, src, num_blocks, num_stages):
                                                                       home[block], 5, block)  # KIND_DKV
         k += 1
     return dst, stage, rows[:k].copy()
+
+
+@compiled
+def rank_times(ranks, load, rows_at, compute, intra_bw, inter_bw, intra_lat, inter_lat):
+    """The polish's per-rank time (planner/polish.py ``StageSearch._times``): for each of ``ranks``, every
+    exchange's transfer time from its loads (``load`` [link, send / receive, rank, exchange]: the busier
+    side, the slower link, plus one latency, the inter-node one if a row there crosses nodes; ``rows_at``
+    [link, rank, exchange]) overlapped with the compute of its stage (``compute`` [ranks, S]), summed in
+    stage order, then the last exchange: ``CostModel.overlapped_time`` of ``CostModel.link_time``, the
+    same floats."""
+    S = compute.shape[1]
+    out = np.empty(ranks.size)
+    overlapped = np.empty(S)
+    for k in range(ranks.size):
+        r = ranks[k]
+        for j in range(S + 1):
+            lat = inter_lat if rows_at[1, r, j] > 0 else (intra_lat if rows_at[0, r, j] > 0 else 0.0)
+            comm = max(max(load[0, 0, r, j], load[0, 1, r, j]) / intra_bw,
+                       max(load[1, 0, r, j], load[1, 1, r, j]) / inter_bw) + lat
+            if j < S:
+                overlapped[j] = max(compute[r, j], comm)
+            else:  # (summed as numpy sums a row: pairwise from 8 stages on)
+                out[k] = (0.0 + numpy_sum(overlapped, 0, S)) + comm
+    return out

@@ -35,6 +35,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from .comm_loops import rank_times
 from .cost_model import CostModel
 from .group_loops import add_rows, shift_groups, unit_weights
 from .placement import Placement, compact_stages, per_rank_and_stage, positions_by_key, run_heads
@@ -173,8 +174,11 @@ class StageSearch:
         return self.cost_model.link_time(self.load[:, :, ranks].max(axis=1), self.rows_at[:, ranks] > 0)
 
     def _times(self, ranks: np.ndarray) -> np.ndarray:
-        """Overlapped time of ``ranks`` in this direction from the current loads and compute."""
-        return self.cost_model.overlapped_time(self.compute[ranks], self._comm(ranks))
+        """Overlapped time of ``ranks`` in this direction from the current loads and compute (compiled:
+        planner/comm_loops.py ``rank_times``, the floats of ``overlapped_time`` of ``_comm``)."""
+        topo = self.cost_model.topology
+        return rank_times(np.asarray(ranks, dtype=np.int64), self.load, self.rows_at, self.compute,
+                          float(topo.intra_bw), float(topo.inter_bw), float(topo.intra_lat), float(topo.inter_lat))
 
     def _save(self, name: str, index) -> None:
         """Record ``name[index]``'s values in the open journal (``_shift``), for ``undo``."""

@@ -143,3 +143,25 @@ def test_dkv_routes_equal_their_numpy_passes(seed, world_size, num_blocks, num_s
     want = _dkv_routes_numpy(home, r, b, last, src, num_blocks, num_stages)
     for g, w in zip(got, want):
         assert np.array_equal(g, w)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), world_size=st.integers(1, 12), num_stages=st.integers(1, 11))
+def test_polish_rank_times_equal_the_cost_model(seed, world_size, num_stages):
+    """planner/comm_loops.py ``rank_times`` (the polish's per-rank time) against ``CostModel.overlapped_time``
+    of ``CostModel.link_time`` on the same loads: the same floats, also from 8 stages on (where numpy
+    sums a row pairwise)."""
+    from blockattn.planner.comm_loops import rank_times
+
+    rng = np.random.default_rng(seed)
+    cm = CostModel(topology=Topology(ranks_per_node=4))
+    topo = cm.topology
+    S, P = num_stages, world_size
+    load = rng.integers(0, 1 << 26, (2, 2, P, S + 1)) * (rng.random((2, 2, P, S + 1)) < 0.6)
+    rows_at = rng.integers(0, 3, (2, P, S + 1))
+    compute = rng.random((P, S)) * 1e-3
+    ranks = rng.permutation(P)[: int(rng.integers(1, P + 1))]
+    want = cm.overlapped_time(compute[ranks], cm.link_time(load[:, :, ranks].max(axis=1), rows_at[:, ranks] > 0))
+    got = rank_times(ranks, load, rows_at, compute, float(topo.intra_bw), float(topo.inter_bw),
+                     float(topo.intra_lat), float(topo.inter_lat))
+    assert got.tolist() == want.tolist()
