@@ -160,3 +160,47 @@ def rank_times(ranks, load, rows_at, compute, intra_bw, inter_bw, intra_lat, int
             else:  # (summed as numpy sums a row: pairwise from 8 stages on)
                 out[k] = (0.0 + numpy_sum(overlapped, 0, S)) + comm
     return out
+
+
+@compiled
+def relayed_kv_rows(home, r, b, first, relay, num_blocks):
+    """The KV side of a relayed schedule (planner/schedule.py ``schedule_rows``): (each (rank r, kv-block b)
+    receive group's source - the home, or the relay row (block, dst, src) naming it, the last such row
+    where several do -, the forward KV rows [m, 5]: each group's from its source in its first stage,
+    then one row into every *transit* source (a relay source with no receive group of the block, not
+    its home, with a receiver that has one), from the home one stage before the earliest of its
+    receivers needs the block, in ascending (source, block)). Groups ascend by r * nB + b, so relay rows
+    find theirs by binary search."""
+    n, m = r.size, relay.shape[0]
+    key = np.empty(n, dtype=np.int64)
+    src = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        key[i], src[i] = r[i] * num_blocks + b[i], home[b[i]]
+    transit_key = np.empty(m, dtype=np.int64)
+    transit_need = np.empty(m, dtype=np.int64)
+    count = 0
+    for j in range(m):
+        block, dst, source = relay[j, 0], relay[j, 1], relay[j, 2]
+        receiver = _find(key, dst * num_blocks + block)
+        if receiver < 0:
+            continue  # (a row naming no group: left to check_plan)
+        src[receiver] = source
+        if source != home[block] and _find(key, source * num_blocks + block) < 0:
+            transit_key[count], transit_need[count] = source * num_blocks + block, first[receiver]
+            count += 1
+    # per transit (source, block): the earliest need; ties keep the first row, as a stable sort does
+    order = np.argsort(transit_key[:count], kind="mergesort")
+    rows = np.empty((n + count, 5), dtype=np.int64)
+    for i in range(n):
+        rows[i, 0], rows[i, 1], rows[i, 2], rows[i, 3], rows[i, 4] = first[i], src[i], r[i], 1, b[i]  # KIND_KV
+    k = n
+    for j in range(count):
+        t = order[j]
+        if k > n and rows[k - 1, 2] * num_blocks + rows[k - 1, 4] == transit_key[t]:
+            rows[k - 1, 0] = min(rows[k - 1, 0], transit_need[t] - 1)
+            continue
+        block = transit_key[t] % num_blocks
+        rows[k, 0], rows[k, 1], rows[k, 2], rows[k, 3], rows[k, 4] = (transit_need[t] - 1, home[block],
+                                                                      transit_key[t] // num_blocks, 1, block)
+        k += 1
+    return src, rows[:k].copy()

@@ -26,7 +26,7 @@ NIC (``inter_bw``, 9x slower than NVLink in the cost model). With a relay it sen
   pulled the document's KV alone. A *transit* rank t of the same node that computes nothing with b
   receives it one stage before the reader needs it and forwards it over NVLink, so the node's NICs
   share the load (``transit_relays``; the schedule derives t's receive, planner/schedule.py
-  ``_transit_rows``); the reader's dK/dV partial goes back through t, which forwards it home a stage
+  ``relayed_kv_rows``); the reader's dK/dV partial goes back through t, which forwards it home a stage
   later where the stages allow. Mirrored, t may be a node-mate of a hot *home*, which hands it the
   block over NVLink and sends it out through its own NIC. The transit ranks are chosen to even out
   each node's NIC loads, receiving or sending (a greedy pass over the eligible groups,
@@ -128,7 +128,7 @@ def transit_relays(home: np.ndarray, kv_groups, relay: np.ndarray, *, ranks_per_
     group (``receive_groups``) that still gets its KV block from the home on another node (no row in
     ``relay``), first needing it in stage >= 2, gets it from a rank t of its own node that computes no
     tile of the block - from (b mod n) on, so a node's blocks spread over its ranks - which receives it
-    one stage earlier (planner/schedule.py ``_transit_rows``).
+    one stage earlier (planner/comm_loops.py ``relayed_kv_rows``).
 
     With ``load`` (float [P]: bytes each rank receives, or with ``side="home"`` sends, over its NIC) and
     ``kv_bytes`` [nB], only the groups that even out each node's NIC load (``_balancing_transit``); with

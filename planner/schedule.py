@@ -42,9 +42,8 @@ import numpy as np
 import torch
 
 from .comm_loops import dkv_routes as comm_dkv_routes
-from .comm_loops import relay_free_rows
+from .comm_loops import relay_free_rows, relayed_kv_rows
 from .group_loops import group_stages, group_tiles
-from .placement import run_heads
 from .sort_loops import rows_in_wire_order
 from .tile_loops import covered_rows_and_columns, real_groups
 
@@ -370,61 +369,17 @@ def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num
     d_q = _rows(last + 1, r, home[b], KIND_DQ, b)
 
     r, b, first, _ = kv_groups
-    src = _kv_sources(home, r, b, relay, num_blocks)
-    kv_in = np.concatenate([_rows(first, src, r, KIND_KV, b), _transit_rows(home, r, b, first, relay, num_blocks)])
+    # (compiled: planner/comm_loops.py; tests/test_comm_times.py checks it against the numpy passes)
+    src, kv_in = relayed_kv_rows(*(np.asarray(x, dtype=np.int64) for x in (home, r, b, first, relay)), int(num_blocks))
     last = kv_bwd[3]  # (same pairs: the forward's KV sources are the backward's DKV parents)
     dkv_dst, dkv_stage, transit_dkv = dkv_routes(home, r, b, last, src, num_blocks, num_stages)
     d_kv = np.concatenate([_rows(dkv_stage, r, dkv_dst, KIND_DKV, b), transit_dkv])
     return np.concatenate([q_in, kv_in, out]), np.concatenate([d_out, d_q, d_kv])
 
 
-def _lookup(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(position, found) of each key in the ascending ``sorted_keys`` (non-empty); position is only
-    meaningful where found."""
-    pos = np.minimum(np.searchsorted(sorted_keys, keys), sorted_keys.size - 1)
-    return pos, sorted_keys[pos] == keys
-
-
-def _transit_rows(home, r, b, first, relay, num_blocks: int) -> np.ndarray:
-    """KV rows into *transit* relay sources: a relay row ``(block, dst, src)`` whose src computes no tile
-    of the block (no receive group) gets it from the home one stage before the earliest of its dsts
-    needs it, so that it holds it strictly before forwarding it (a node's NICs share the inbound KV
-    of a block only one of its ranks reads). Rows naming the home or a dst without a receive group
-    are left to check_plan, which rejects them."""
-    group_key = r * num_blocks + b
-    if relay.shape[0] == 0 or group_key.size == 0:
-        return np.zeros((0, 5), dtype=np.int64)
-    src_key = relay[:, 2] * num_blocks + relay[:, 0]
-    dst_pos, dst_found = _lookup(group_key, relay[:, 1] * num_blocks + relay[:, 0])
-    transit = ~_lookup(group_key, src_key)[1] & (relay[:, 2] != home[relay[:, 0]]) & dst_found
-    if not transit.any():
-        return np.zeros((0, 5), dtype=np.int64)
-    rows, need, key = relay[transit], first[dst_pos[transit]], src_key[transit]
-    order = np.lexsort((need, key))  # per (src, block): the earliest need first
-    key, need, rows = key[order], need[order], rows[order]
-    head = run_heads(key)
-    rows, need = rows[head], need[head]
-    return _rows(need - 1, home[rows[:, 0]], rows[:, 2], KIND_KV, rows[:, 0])
-
-
-def _kv_sources(home, r, b, relay, num_blocks: int) -> np.ndarray:
-    """KV source of every (rank r, kv-block b) receive group: the home, or the relay row's source.
-
-    Groups are sorted by ``r * nB + b`` (``receive_groups``), so relay rows are matched by binary search;
-    rows naming no group are ignored here (check_plan rejects such tables).
-    """
-    src = home[b]
-    if relay.shape[0] == 0 or r.size == 0:
-        return src
-    pos, hit = _lookup(r * num_blocks + b, relay[:, 1] * num_blocks + relay[:, 0])
-    src = src.copy()
-    src[pos[hit]] = relay[hit, 2]
-    return src
-
-
 def dkv_routes(home, r, b, last, src, num_blocks: int, num_stages: int) -> tuple:
     """(DKV destination [n], stage [n], transit rows [m, 5]) of the (rank r, kv-block b) receive groups
-    (``last``: a group's last backward stage; ``src``: its KV source, ``_kv_sources``): home at
+    (``last``: a group's last backward stage; ``src``: its KV source, planner/comm_loops.py ``relayed_kv_rows``): home at
     ``last + 1``, or up a reduce tree.
 
     A child of a proxy (a rank with tiles of b that got it from the home or from a transit rank)

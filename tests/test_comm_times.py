@@ -165,3 +165,52 @@ def test_polish_rank_times_equal_the_cost_model(seed, world_size, num_stages):
     got = rank_times(ranks, load, rows_at, compute, float(topo.intra_bw), float(topo.inter_bw),
                      float(topo.intra_lat), float(topo.inter_lat))
     assert got.tolist() == want.tolist()
+
+
+def _relayed_kv_rows_numpy(home, r, b, first, relay, num_blocks):
+    """The KV side of a relayed schedule as the numpy passes that ``relayed_kv_rows`` replaced: each
+    group's source by binary search of the relay rows' (dst, block), and the transit rows by a stable
+    sort of the transit sources' keys."""
+    group_key = r * num_blocks + b
+    src = home[b].copy()
+    own = np.stack([first, src, r, np.full(r.size, 1), b], axis=1)
+    if relay.shape[0] == 0 or r.size == 0:
+        return src, own
+
+    def lookup(keys):
+        pos = np.minimum(np.searchsorted(group_key, keys), group_key.size - 1)
+        return pos, group_key[pos] == keys
+
+    pos, hit = lookup(relay[:, 1] * num_blocks + relay[:, 0])
+    src[pos[hit]] = relay[hit, 2]
+    own[:, 1] = src
+    src_key = relay[:, 2] * num_blocks + relay[:, 0]
+    transit = ~lookup(src_key)[1] & (relay[:, 2] != home[relay[:, 0]]) & hit
+    rows, need, key = relay[transit], first[pos[transit]], src_key[transit]
+    order = np.lexsort((need, key))
+    key, need, rows = key[order], need[order], rows[order]
+    head = np.r_[True, key[1:] != key[:-1]] if key.size else np.zeros(0, dtype=bool)
+    rows, need = rows[head], need[head]
+    into = np.stack([need - 1, home[rows[:, 0]], rows[:, 2], np.full(need.size, 1), rows[:, 0]], axis=1)
+    return src, np.concatenate([own, into.reshape(-1, 5)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), world_size=st.integers(1, 9), num_blocks=st.integers(1, 10),
+       num_stages=st.integers(1, 5), num_relays=st.integers(0, 14))
+def test_relayed_kv_rows_equal_their_numpy_passes(seed, world_size, num_blocks, num_stages, num_relays):
+    """planner/comm_loops.py ``relayed_kv_rows`` against the numpy passes it replaced, on random receive
+    groups and relay tables (rows naming no group, proxies, transit sources, repeated (source, block))."""
+    from blockattn.planner.comm_loops import relayed_kv_rows
+
+    rng = np.random.default_rng(seed)
+    home = rng.integers(0, world_size, num_blocks)
+    cells = np.unique(rng.integers(0, world_size * num_blocks, int(rng.integers(0, 3 * world_size * num_blocks + 1))))
+    r, b = cells // num_blocks, cells % num_blocks
+    first = rng.integers(1, num_stages + 1, r.size)
+    relay = np.stack([rng.integers(0, num_blocks, num_relays), rng.integers(0, world_size, num_relays),
+                      rng.integers(0, world_size, num_relays)], axis=1).astype(np.int64)
+    relay = relay[np.lexsort((relay[:, 1], relay[:, 0]))]
+    got = relayed_kv_rows(home, r, b, first, relay, num_blocks)
+    want = _relayed_kv_rows_numpy(home, r, b, first, relay, num_blocks)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
