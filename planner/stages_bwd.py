@@ -179,30 +179,39 @@ class BackwardChoice(NamedTuple):
 
 
 
-def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarray, local: LocalWork,
-                          comm_time: np.ndarray, *, world_size: int, num_stages: int) -> np.ndarray:
+def _spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarray, local: LocalWork,
+                           comm_time: np.ndarray, *, world_size: int, num_stages: int) -> tuple:
     """Move purely local tiles (no transfer) from their backward stage (``backward_stages``) into the
     stages whose next transfers (``comm_time`` [P, S + 1], backward) would otherwise be exposed:
     partials arriving at a home, dO leaving it. ``compute``: per-tile backward seconds. Each rank
     keeps in the local stage what hides its own next transfers and fills the gaps of the other
     stages in order; the schedule is unchanged (local tiles move nothing). ``local``: the LocalWork of
-    the purely local tiles in tile order under ``compute``, all still in their class-rule stage."""
+    the purely local tiles in tile order under ``compute``, all still in their class-rule stage. Also
+    returns the compute per rank and stage of ``stage`` (``backward_time`` reuses it where no tile moves)."""
     S, P = num_stages, world_size
-    if S < 2:
-        return stage
-    home_stage = min(2, S - 1)
     per_stage = per_rank_and_stage(rank, stage, compute, P, S)
+    if S < 2:
+        return stage, per_stage
+    home_stage = min(2, S - 1)
     gaps = np.maximum(0.0, comm_time[:, :S] - per_stage)  # stage s overlaps exchange s
     movable = np.minimum(per_stage[:, home_stage] - comm_time[:, home_stage], local.total)
     fill = np.array([s for s in range(S) if s != home_stage], dtype=np.int64)  # earliest gap first
-    return _pour(stage, local, gaps[:, fill], movable, fill)
+    return _pour(stage, local, gaps[:, fill], movable, fill), per_stage
+
+
+def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarray, local: LocalWork,
+                          comm_time: np.ndarray, *, world_size: int, num_stages: int) -> np.ndarray:
+    """``_spread_backward_local``'s stages alone."""
+    return _spread_backward_local(stage, compute, rank, local, comm_time, world_size=world_size,
+                                  num_stages=num_stages)[0]
 
 
 def backward_time(stage_bwd: np.ndarray, compute_bwd: np.ndarray, rank: np.ndarray, local: LocalWork,
                   comm_bwd: np.ndarray, *, world_size: int, num_stages: int, cost_model: CostModel) -> tuple:
     """(``stage_bwd`` with its local tiles spread against ``comm_bwd`` [P, S + 1], the slowest rank's
     overlapped backward time); ``compute_bwd``: per-tile backward seconds, ``local``: their LocalWork."""
-    spread = spread_backward_local(stage_bwd, compute_bwd, rank, local, comm_bwd, world_size=world_size,
-                                   num_stages=num_stages)
-    per = per_rank_and_stage(rank, spread, compute_bwd, world_size, num_stages)
+    spread, per = _spread_backward_local(stage_bwd, compute_bwd, rank, local, comm_bwd, world_size=world_size,
+                                         num_stages=num_stages)
+    if spread is not stage_bwd:  # (where no tile moved, the sums just taken are these)
+        per = per_rank_and_stage(rank, spread, compute_bwd, world_size, num_stages)
     return spread, float(cost_model.overlapped_time(per, comm_bwd).max())
