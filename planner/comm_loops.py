@@ -91,7 +91,7 @@ def dkv_routes(home, r, b, last, src, num_blocks, num_stages):
     """planner/schedule.py ``dkv_routes`` (its numpy form there documents the rule) in two passes over the
     groups, with no temporaries per pass: (DKV destination, stage, transit rows [m, 5]) of the (rank r,
     kv-block b) receive groups, ascending by r * nB + b. The polish of the backward routes the groups of a
-    few blocks ~10^4 times a 32-rank plan, where numpy's dozen calls were ~50 us a time."""
+    few blocks ~2,500 times a 32-rank plan, where numpy's dozen calls were ~50 us a time."""
     n = r.size
     dst = np.empty(n, dtype=np.int64)
     stage = np.empty(n, dtype=np.int64)
