@@ -291,6 +291,36 @@ def test_shift_groups_matches_the_numpy_update(seed, num_tiles, num_groups, num_
     assert np.array_equal(out[5], groups[new_last != last[groups]])
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lens=st.lists(st.integers(1, 900), min_size=1, max_size=6),
+       shift=st.sampled_from([1, 2, 3, 7]), gather=st.booleans())
+def test_inherit_merged_matches_its_numpy_form(seed, lens, shift, gather):
+    """planner/tile_loops.py ``inherit_merged`` (runs of a real row's tiles in one merged tile, their
+    covering kept as bits; per tile past 64 rows and columns a merged tile) against numpy: every real
+    tile's merged rank and stages, and which real rows / columns of each merged tile hold a real tile."""
+    from blockattn.masks import MaskSpec
+    from blockattn.planner.tile_loops import inherit_merged, merge_tiles
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(16))
+    factor = 1 << shift
+    merged_q, _, _, _, of_real = merge_tiles(tiles.q, tiles.kv, tiles.full, tiles.pairs, factor, shift,
+                                             tiles.num_blocks)
+    m = merged_q.size
+    rng = np.random.default_rng(seed)
+    rank, stage, stage_bwd = (rng.integers(0, 9, m) for _ in range(3))
+    got = inherit_merged(tiles.q, tiles.kv, of_real, shift, m, rank, stage, stage_bwd, gather)
+    rows, columns = np.zeros(m * factor, dtype=bool), np.zeros(m * factor, dtype=bool)
+    rows[of_real * factor + tiles.q % factor] = True
+    columns[of_real * factor + tiles.kv % factor] = True
+    assert np.array_equal(got[3], rows) and np.array_equal(got[4], columns)
+    if gather:
+        for values, out in zip((rank, stage, stage_bwd), got[:3]):
+            assert out.dtype == np.int32 and np.array_equal(out, values[of_real])
+    else:
+        assert all(out.size == 0 for out in got[:3])
+
+
 @settings(max_examples=80, deadline=None)
 @given(stages=st.lists(st.integers(0, 150), min_size=1, max_size=60), int32=st.booleans())
 def test_stage_renumbering_compacts_the_used_stages(stages, int32):
