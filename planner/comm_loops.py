@@ -1,4 +1,5 @@
-"""Compiled loops over schedule rows (numba): a placement's transfer times per rank and exchange.
+"""Compiled loops over schedule rows (numba): a placement's transfer times per rank and exchange, its
+rows (relay-free, and the KV side and dK/dV reduce trees of relayed ones), and the polish's rank times.
 
 Notation (docs/design.md): P ranks, S stages, schedule rows (stage, src, dst, kind, block); exchange j
 carries the inputs of stage j + 1 and the results of stage j (planner/cost_model.py).
@@ -7,7 +8,9 @@ Why: finishing a placement (planner/finish.py) prices its forward and backward t
 times (each backward staging it weighs, each stage count), and each pricing in numpy was a dozen
 passes over the rows (bytes per row, exchange, node test, four bincounts, the link times): ~50 us of
 call overhead a time on a merged one-node plan. One loop gives the same floats: bytes are summed per
-(rank, exchange, link) in row order, as ``np.bincount`` sums them.
+(rank, exchange, link) in row order, as ``np.bincount`` sums them. The relayed rows and reduce trees
+replace binary searches and sorts in numpy that the relay scorer and the backward polish ran ~1,000s
+of times a multi-node plan (tests/test_comm_times.py keeps the numpy forms and checks both agree).
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def _find(keys, key):
 
 @compiled
 def dkv_routes(home, r, b, last, src, num_blocks, num_stages):
-    """planner/schedule.py ``dkv_routes`` (its numpy form there documents the rule) in two passes over the
+    """planner/schedule.py ``dkv_routes`` (whose docstring states the rule) in two passes over the
     groups, with no temporaries per pass: (DKV destination, stage, transit rows [m, 5]) of the (rank r,
     kv-block b) receive groups, ascending by r * nB + b. The polish of the backward routes the groups of a
     few blocks ~2,500 times a 32-rank plan, where numpy's dozen calls were ~50 us a time."""

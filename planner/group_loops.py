@@ -1,4 +1,5 @@
-"""Compiled (rank, block) groupings of tiles (numba): receive groups and their stages, movable tiles.
+"""Compiled (rank, block) groupings of tiles (numba): receive groups and their stages, movable tiles,
+and the polish's groups (a move's histogram update, its rows' loads, its candidate units' weights).
 
 Notation (docs/design.md): tiles (qb, kb) on ``rank``, ``home[b]`` owns block b, P ranks, nB blocks;
 a receive group is the tiles of one rank that read one remote block (one transfer in the schedule).
@@ -9,7 +10,8 @@ reads each group's first and last stage under every staging it weighs (a dozen a
 segment reductions, ~30-100 us of calls apiece on a merged one-node plan. These sort by two stable
 counting passes (by block, then by rank: O(n + nB + P), no table of P * nB keys, which at 1M tokens /
 64 ranks would cost more than the sort; one pass by the key where it is small) and give the same groups
-in the same order.
+in the same order. The polish (planner/polish.py) makes ~5,000 trial moves a multi-node plan, each ~30
+numpy calls on a few tiles before; its floats stay numpy's (``numpy_sum`` is numpy's pairwise sum).
 """
 
 from __future__ import annotations
