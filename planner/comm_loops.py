@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .group_loops import numpy_sum
+from .float_sums import numpy_sum
 from .jit import compiled
 
 
@@ -161,7 +161,7 @@ def rank_times(ranks, load, rows_at, compute, intra_bw, inter_bw, intra_lat, int
             if j < S:
                 overlapped[j] = max(compute[r, j], comm)
             else:  # (summed as numpy sums a row: pairwise from 8 stages on)
-                out[k] = (0.0 + numpy_sum(overlapped, 0, S)) + comm
+                out[k] = numpy_sum(overlapped) + comm
     return out
 
 

@@ -11,13 +11,14 @@ segment reductions, ~30-100 us of calls apiece on a merged one-node plan. These 
 counting passes (by block, then by rank: O(n + nB + P), no table of P * nB keys, which at 1M tokens /
 64 ranks would cost more than the sort; one pass by the key where it is small) and give the same groups
 in the same order. The polish (planner/polish.py) makes ~5,000 trial moves a multi-node plan, each ~30
-numpy calls on a few tiles before; its floats stay numpy's (``numpy_sum`` is numpy's pairwise sum).
+numpy calls on a few tiles before; its floats stay numpy's (planner/float_sums.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .float_sums import numpy_sum
 from .jit import compiled
 from .sort_loops import counting_order
 
@@ -122,65 +123,6 @@ def own_row_movable(q, kv, stage, rank, home):
 
 
 @compiled
-def _block_sum(values, lo, n):
-    """numpy's float64 sum of ``values[lo:lo + n]`` for n <= 128: runs under 8 in order, else eight
-    interleaved sums combined pairwise, then the rest in order."""
-    if n < 8:
-        total = 0.0
-        for i in range(lo, lo + n):
-            total += values[i]
-        return total
-    r0, r1, r2, r3 = values[lo], values[lo + 1], values[lo + 2], values[lo + 3]
-    r4, r5, r6, r7 = values[lo + 4], values[lo + 5], values[lo + 6], values[lo + 7]
-    i = 8
-    while i < n - n % 8:
-        at = lo + i
-        r0, r1, r2, r3 = r0 + values[at], r1 + values[at + 1], r2 + values[at + 2], r3 + values[at + 3]
-        r4, r5, r6, r7 = r4 + values[at + 4], r5 + values[at + 5], r6 + values[at + 6], r7 + values[at + 7]
-        i += 8
-    total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-    for at in range(lo + i, lo + n):
-        total += values[at]
-    return total
-
-
-@compiled
-def numpy_sum(values, lo, n):
-    """``values[lo:lo + n].sum()`` with numpy's float64 summation, so that it gives the same float
-    (numpy's ``pairwise_sum``: runs of up to 128 by ``_block_sum``, longer ones halved at a multiple of 8,
-    the halves' sums added; tests/test_compiled_loops.py compares it with np.sum). The halving is walked
-    with an explicit stack: numba's cache does not load self-recursive functions safely."""
-    if n <= 128:
-        return _block_sum(values, lo, n)
-    frame_lo = np.empty(64, dtype=np.int64)
-    frame_n = np.empty(64, dtype=np.int64)
-    frame_done = np.empty(64, dtype=np.int64)  # halves already summed: 0, 1 or 2
-    sums = np.empty(64)
-    depth, found = 1, 0
-    frame_lo[0], frame_n[0], frame_done[0] = lo, n, 0
-    while depth > 0:
-        top = depth - 1
-        at, size = frame_lo[top], frame_n[top]
-        if size <= 128:
-            sums[found] = _block_sum(values, at, size)
-            found += 1
-            depth -= 1
-            continue
-        half = size // 2
-        half -= half % 8
-        if frame_done[top] == 2:  # (both halves' sums on the stack: left, then right)
-            sums[found - 2] = sums[found - 2] + sums[found - 1]
-            found -= 1
-            depth -= 1
-            continue
-        frame_done[top] += 1
-        frame_lo[depth], frame_n[depth], frame_done[depth] = (at, half, 0) if frame_done[top] == 1 else (
-            at + half, size - half, 0)
-        depth += 1
-    return sums[0]
-
-
-@compiled
 def unit_weights(members, starts, stage, seconds, groups, at_stage):
     """float64 per group of ``groups``: the seconds of its tiles (``members[starts[g]:starts[g + 1]]``)
     in stage ``at_stage``, summed as ``seconds[those tiles].sum()`` sums them (planner/polish.py)."""
@@ -197,7 +139,7 @@ def unit_weights(members, starts, stage, seconds, groups, at_stage):
             if stage[t] == at_stage:
                 scratch[n] = seconds[t]
                 n += 1
-        out[k] = 0.0 + numpy_sum(scratch, 0, n)
+        out[k] = numpy_sum(scratch[:n])
     return out
 
 

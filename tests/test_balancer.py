@@ -246,12 +246,12 @@ def test_a_node_over_the_cap_levels_its_own_ranks_with_level_nodes():
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 3000), st.integers(0, 2**32 - 1), st.floats(-12, 3))
 def test_compiled_sum_is_numpys_bit_for_bit(size, seed, scale):
-    """The compiled moves sum a move's compute in numpy's pairwise order (planner/balance_moves.py
-    ``_numpy_sum``), so the Balancer's per-rank loads, and the plans, are those of numpy's ``sum``."""
-    from blockattn.planner.balance_moves import _numpy_sum
+    """The compiled moves sum a move's compute in numpy's pairwise order (planner/float_sums.py
+    ``numpy_sum``), so the Balancer's per-rank loads, and the plans, are those of numpy's ``sum``."""
+    from blockattn.planner.float_sums import numpy_sum
 
     values = np.random.default_rng(seed).random(size) * 10.0 ** scale
-    assert _numpy_sum(values) == values.sum()
+    assert numpy_sum(values) == values.sum()
 
 
 @settings(max_examples=30, deadline=None)

@@ -224,16 +224,17 @@ def test_segment_counts_match_their_numpy_forms(seed, num_blocks, num_tiles, doc
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), size=st.sampled_from([0, 1, 7, 8, 9, 15, 16, 17, 127, 128, 129, 300, 1030, 9000]))
 def test_numpy_sum_gives_np_sums_floats(seed, size):
-    """planner/group_loops.py ``numpy_sum`` and ``unit_weights`` give the floats of np.sum (pairwise
+    """planner/float_sums.py ``numpy_sum`` and group_loops ``unit_weights`` give the floats of np.sum (pairwise
     summation) bit for bit, on values of very different magnitudes, and a polish unit's weight as the
     numpy expression ``seconds[unit].sum()`` gives it."""
-    from blockattn.planner.group_loops import numpy_sum, unit_weights
+    from blockattn.planner.float_sums import numpy_sum
+    from blockattn.planner.group_loops import unit_weights
 
     rng = np.random.default_rng(seed)
     values = rng.random(size) * 10.0 ** rng.integers(-6, 6, size)
-    assert 0.0 + numpy_sum(values, 0, size) == values.sum()
+    assert numpy_sum(values) == values.sum()
     lo = size // 3
-    assert 0.0 + numpy_sum(values, lo, size - lo) == values[lo:].sum()
+    assert numpy_sum(values[lo:]) == values[lo:].sum()
     members = rng.permutation(size)
     starts = np.unique(np.r_[0, rng.integers(0, size + 1, 5), size])
     stage = rng.integers(0, 3, size)
