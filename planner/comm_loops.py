@@ -19,6 +19,7 @@ import numpy as np
 
 from .float_sums import numpy_sum
 from .jit import compiled
+from .sort_loops import find_sorted, stable_order
 
 
 @compiled
@@ -81,15 +82,6 @@ def relay_free_rows(home, q_rank, q_block, q_first, q_last, qb_rank, qb_block, q
 
 
 @compiled
-def _find(keys, key):
-    """The position of ``key`` in the ascending ``keys``, or -1."""
-    if keys.size == 0:
-        return -1
-    at = min(np.searchsorted(keys, key), keys.size - 1)
-    return at if keys[at] == key else -1
-
-
-@compiled
 def dkv_routes(home, r, b, last, src, num_blocks, num_stages):
     """planner/schedule.py ``dkv_routes`` (whose docstring states the rule) in two passes over the
     groups, with no temporaries per pass: (DKV destination, stage, transit rows [m, 5]) of the (rank r,
@@ -108,12 +100,12 @@ def dkv_routes(home, r, b, last, src, num_blocks, num_stages):
     for i in range(n):
         if src[i] == home[b[i]]:
             continue
-        parent = _find(key, src[i] * num_blocks + b[i])
+        parent = find_sorted(key, src[i] * num_blocks + b[i])
         if parent < 0:
             through[i] = True  # (a child of a transit rank: routed below, once every proxy's stage is known)
             count += 1
         elif last[i] + 2 <= num_stages and (src[parent] == home[b[i]]
-                                            or _find(key, src[parent] * num_blocks + b[i]) < 0):
+                                            or find_sorted(key, src[parent] * num_blocks + b[i]) < 0):
             dst[i] = src[i]
             stage[parent] = max(stage[parent], last[i] + 2)
     # children of transit ranks: through the transit rank where it can forward one stage later; one
@@ -126,7 +118,7 @@ def dkv_routes(home, r, b, last, src, num_blocks, num_stages):
             dst[i] = src[i]
             transit_key[m], transit_stage[m] = src[i] * num_blocks + b[i], stage[i] + 1
             m += 1
-    order = np.argsort(transit_key[:m])
+    order = stable_order(transit_key[:m])
     rows = np.empty((m, 5), dtype=np.int64)
     k = 0
     for j in range(m):
@@ -184,15 +176,15 @@ def relayed_kv_rows(home, r, b, first, relay, num_blocks):
     count = 0
     for j in range(m):
         block, dst, source = relay[j, 0], relay[j, 1], relay[j, 2]
-        receiver = _find(key, dst * num_blocks + block)
+        receiver = find_sorted(key, dst * num_blocks + block)
         if receiver < 0:
             continue  # (a row naming no group: left to check_plan)
         src[receiver] = source
-        if source != home[block] and _find(key, source * num_blocks + block) < 0:
+        if source != home[block] and find_sorted(key, source * num_blocks + block) < 0:
             transit_key[count], transit_need[count] = source * num_blocks + block, first[receiver]
             count += 1
     # per transit (source, block): the earliest need; ties keep the first row, as a stable sort does
-    order = np.argsort(transit_key[:count], kind="mergesort")
+    order = stable_order(transit_key[:count])
     rows = np.empty((n + count, 5), dtype=np.int64)
     for i in range(n):
         rows[i, 0], rows[i, 1], rows[i, 2], rows[i, 3], rows[i, 4] = first[i], src[i], r[i], 1, b[i]  # KIND_KV

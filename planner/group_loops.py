@@ -20,7 +20,7 @@ import numpy as np
 
 from .float_sums import numpy_sum
 from .jit import compiled
-from .sort_loops import counting_order
+from .sort_loops import counting_order, find_sorted, stable_order
 
 
 @compiled
@@ -167,14 +167,24 @@ def shift_groups(tiles, old, new, seconds, compute_row, tile_groups, hist, first
                 count += 1
                 hist[g, old[i]] -= 1
                 hist[g, new[i]] += 1
-    groups = np.unique(touched[:count])
-    old_hist = np.empty((groups.size, S), dtype=hist.dtype)
-    old_first, old_last = first[groups], last[groups]  # (copies: advanced indexing)
-    moved_first = np.empty(groups.size, dtype=np.int64)
-    moved_last = np.empty(groups.size, dtype=np.int64)
+    order = stable_order(touched[:count])
+    groups = np.empty(count, dtype=np.int64)
+    num_groups = 0
+    for j in range(count):  # (distinct, ascending)
+        g = touched[order[j]]
+        if num_groups == 0 or groups[num_groups - 1] != g:
+            groups[num_groups] = g
+            num_groups += 1
+    groups = groups[:num_groups]
+    old_hist = np.empty((num_groups, S), dtype=hist.dtype)
+    old_first = np.empty(num_groups, dtype=first.dtype)
+    old_last = np.empty(num_groups, dtype=last.dtype)
+    moved_first = np.empty(num_groups, dtype=np.int64)
+    moved_last = np.empty(num_groups, dtype=np.int64)
     num_first = num_last = 0
-    for j in range(groups.size):
+    for j in range(num_groups):
         g = groups[j]
+        old_first[j], old_last[j] = first[g], last[g]
         for s in range(S):
             old_hist[j, s] = hist[g, s]
         f, lst = 0, S - 1
@@ -198,7 +208,7 @@ def shift_groups(tiles, old, new, seconds, compute_row, tile_groups, hist, first
         for i in range(tiles.size):
             g = tile_groups[k, tiles[i]]
             if g >= 0:
-                j = np.searchsorted(groups, g)
+                j = find_sorted(groups, g)
                 old_hist[j, new[i]] -= 1
                 old_hist[j, old[i]] += 1
     return groups, old_hist, old_first, old_last, moved_first[:num_first].copy(), moved_last[:num_last].copy()

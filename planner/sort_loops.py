@@ -95,3 +95,17 @@ def rows_in_wire_order(table):
         for c in range(5):
             out[i, c] = table[order[i], c]
     return out
+
+
+@compiled
+def find_sorted(keys, key):
+    """The position of ``key`` in the ascending ``keys``, or -1 (a binary search in a loop: numba's
+    ``np.searchsorted`` compiles in seconds)."""
+    lo, hi = 0, keys.size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if keys[mid] < key:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo if lo < keys.size and keys[lo] == key else -1
