@@ -20,7 +20,7 @@ import numpy as np
 
 from .float_sums import numpy_sum
 from .jit import compiled
-from .sort_loops import counting_order, find_sorted, stable_order
+from .sort_loops import counting_order, stable_order
 
 
 @compiled
@@ -161,12 +161,9 @@ def shift_groups(tiles, old, new, seconds, compute_row, tile_groups, hist, first
     count = 0
     for k in range(kinds):
         for i in range(tiles.size):
-            g = tile_groups[k, tiles[i]]
-            if g >= 0:
-                touched[count] = g
+            if tile_groups[k, tiles[i]] >= 0:
+                touched[count] = tile_groups[k, tiles[i]]
                 count += 1
-                hist[g, old[i]] -= 1
-                hist[g, new[i]] += 1
     order = stable_order(touched[:count])
     groups = np.empty(count, dtype=np.int64)
     num_groups = 0
@@ -176,17 +173,25 @@ def shift_groups(tiles, old, new, seconds, compute_row, tile_groups, hist, first
             groups[num_groups] = g
             num_groups += 1
     groups = groups[:num_groups]
+    # the values before the move (for undo), then the move
     old_hist = np.empty((num_groups, S), dtype=hist.dtype)
     old_first = np.empty(num_groups, dtype=first.dtype)
     old_last = np.empty(num_groups, dtype=last.dtype)
+    for j in range(num_groups):
+        old_first[j], old_last[j] = first[groups[j]], last[groups[j]]
+        for s in range(S):
+            old_hist[j, s] = hist[groups[j], s]
+    for k in range(kinds):
+        for i in range(tiles.size):
+            g = tile_groups[k, tiles[i]]
+            if g >= 0:
+                hist[g, old[i]] -= 1
+                hist[g, new[i]] += 1
     moved_first = np.empty(num_groups, dtype=np.int64)
     moved_last = np.empty(num_groups, dtype=np.int64)
     num_first = num_last = 0
     for j in range(num_groups):
         g = groups[j]
-        old_first[j], old_last[j] = first[g], last[g]
-        for s in range(S):
-            old_hist[j, s] = hist[g, s]
         f, lst = 0, S - 1
         for s in range(S):
             if hist[g, s] > 0:
@@ -203,14 +208,6 @@ def shift_groups(tiles, old, new, seconds, compute_row, tile_groups, hist, first
             moved_last[num_last] = g
             num_last += 1
         first[g], last[g] = f, lst
-    # (the histogram rows before the move: the ones after it, with the move taken back)
-    for k in range(kinds):
-        for i in range(tiles.size):
-            g = tile_groups[k, tiles[i]]
-            if g >= 0:
-                j = find_sorted(groups, g)
-                old_hist[j, new[i]] -= 1
-                old_hist[j, old[i]] += 1
     return groups, old_hist, old_first, old_last, moved_first[:num_first].copy(), moved_last[:num_last].copy()
 
 
