@@ -23,6 +23,14 @@ from .sort_loops import find_sorted, stable_order
 
 
 @compiled
+def link_seconds(intra_busiest, inter_busiest, intra_rows, inter_rows, intra_bw, inter_bw, intra_lat, inter_lat):
+    """One rank's transfer time in one exchange (planner/cost_model.py ``link_time``): the slower link for
+    the busier side's bytes, plus one latency, the inter-node one if a row there crosses nodes."""
+    lat = inter_lat if inter_rows else (intra_lat if intra_rows else 0.0)
+    return max(intra_busiest / intra_bw, inter_busiest / inter_bw) + lat
+
+
+@compiled
 def exchange_times(table, block_len, kind_bytes, is_input, ranks_per_node, intra_bw, inter_bw, intra_lat,
                    inter_lat, world_size, num_stages):
     """float64 [P, S + 1]: planner/cost_model.py ``stage_comm_time`` of int64 rows ``table`` [m, 5] with
@@ -47,9 +55,8 @@ def exchange_times(table, block_len, kind_bytes, is_input, ranks_per_node, intra
     for r in range(P):
         for j in range(S1):
             at = r * S1 + j
-            lat = inter_lat if used[size + at] else (intra_lat if used[at] else 0.0)
-            out[r, j] = max(max(sent[at], received[at]) / intra_bw,
-                            max(sent[size + at], received[size + at]) / inter_bw) + lat
+            out[r, j] = link_seconds(max(sent[at], received[at]), max(sent[size + at], received[size + at]),
+                                     used[at], used[size + at], intra_bw, inter_bw, intra_lat, inter_lat)
     return out
 
 
@@ -136,20 +143,18 @@ def dkv_routes(home, r, b, last, src, num_blocks, num_stages):
 @compiled
 def rank_times(ranks, load, rows_at, compute, intra_bw, inter_bw, intra_lat, inter_lat):
     """The polish's per-rank time (planner/polish.py ``StageSearch._times``): for each of ``ranks``, every
-    exchange's transfer time from its loads (``load`` [link, send / receive, rank, exchange]: the busier
-    side, the slower link, plus one latency, the inter-node one if a row there crosses nodes; ``rows_at``
-    [link, rank, exchange]) overlapped with the compute of its stage (``compute`` [ranks, S]), summed in
-    stage order, then the last exchange: ``CostModel.overlapped_time`` of ``CostModel.link_time``, the
-    same floats."""
+    exchange's transfer time (``link_seconds``) from its loads (``load`` [link, send / receive, rank,
+    exchange]; ``rows_at`` [link, rank, exchange]) overlapped with the compute of its stage (``compute``
+    [ranks, S]), summed in stage order, then the last exchange: ``CostModel.overlapped_time`` of
+    ``CostModel.link_time``, the same floats."""
     S = compute.shape[1]
     out = np.empty(ranks.size)
     overlapped = np.empty(S)
     for k in range(ranks.size):
         r = ranks[k]
         for j in range(S + 1):
-            lat = inter_lat if rows_at[1, r, j] > 0 else (intra_lat if rows_at[0, r, j] > 0 else 0.0)
-            comm = max(max(load[0, 0, r, j], load[0, 1, r, j]) / intra_bw,
-                       max(load[1, 0, r, j], load[1, 1, r, j]) / inter_bw) + lat
+            comm = link_seconds(max(load[0, 0, r, j], load[0, 1, r, j]), max(load[1, 0, r, j], load[1, 1, r, j]),
+                                rows_at[0, r, j] > 0, rows_at[1, r, j] > 0, intra_bw, inter_bw, intra_lat, inter_lat)
             if j < S:
                 overlapped[j] = max(compute[r, j], comm)
             else:  # (summed as numpy sums a row: pairwise from 8 stages on)
