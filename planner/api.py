@@ -20,7 +20,7 @@ from .cost_model import CostModel, Topology
 from .finish import finish_placement
 from .placement import Placement, positions_by_key, stage_renumbering
 from .plan import Plan
-from .schedule import CommSchedule, _int_array, as_relay_table, derive_schedule
+from .schedule import CommSchedule, as_relay_table, derive_schedule, int_array
 from .tiles import TileSet, forget_tile_sets
 
 DEFAULT_BLOCK_SIZE = 128
@@ -256,8 +256,8 @@ def build_plan(tiles: TileSet, placement: Placement, *, strategy: str, world_siz
     """Turn a strategy's Placement into a Plan (stages compacted, schedule derived with its relays)."""
     home = np.asarray(placement.block_home, dtype=np.int64)
     # (int64 or int32 tile columns, as the placement has them: only a derivation below needs int64)
-    rank = _int_array(placement.tile_rank)
-    planned_stage = _int_array(placement.tile_stage)
+    rank = int_array(placement.tile_rank)
+    planned_stage = int_array(placement.tile_stage)
     remap, num_stages, renumbered = stage_renumbering(planned_stage)
     stage = planned_stage if not renumbered else remap[planned_stage]
     relay = as_relay_table(placement.kv_relay)

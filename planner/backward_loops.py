@@ -46,7 +46,8 @@ def stage0_kv_groups(stage, kv, rank, home, compute, ranks, ranks_per_node):
     m = 0
     for i in range(n):
         r, h = rank[i], home[kv[i]]
-        if stage[i] == 0 and h != r and ranks[r] and (ranks_per_node <= 0 or h // ranks_per_node == r // ranks_per_node):
+        same_node = ranks_per_node <= 0 or h // ranks_per_node == r // ranks_per_node
+        if stage[i] == 0 and h != r and ranks[r] and same_node:
             eligible[m] = i
             m += 1
     idx = eligible[:m].copy()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .schedule import (BWD_KINDS, FWD_KINDS, KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_NAMES, KIND_Q, _int_array,
-                       as_relay_table, derive_schedule)
+from .schedule import (BWD_KINDS, FWD_KINDS, KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_NAMES, KIND_Q,
+                       as_relay_table, derive_schedule, int_array)
 
 DENSE_LOOKUP_CELLS = 1 << 22  # check_plan looks receives up in a dense table up to this many cells
 
@@ -50,7 +50,7 @@ def check_plan(plan) -> None:
 
     # The per-tile arrays as they are (int32 in a built plan; keys below are computed in int64): five
     # int64 copies of them were a third of this check's fresh pages, each page a fault on this VM.
-    q, kv, rank, stage, stage_bwd = (_int_array(t) for t in (plan.tile_q, plan.tile_kv, plan.tile_rank,
+    q, kv, rank, stage, stage_bwd = (int_array(t) for t in (plan.tile_q, plan.tile_kv, plan.tile_rank,
                                                               plan.tile_stage, plan.tile_stage_bwd))
     key = q.astype(np.int64)
     key *= nB

@@ -19,7 +19,7 @@ import numpy as np
 from .candidates import (_balanced, _initial_home, _lower_bound, _place, _relay_balanced, _restaged,
                          _schedule_bytes, _staged, _time_floor, coarsening_factor, merged_home, moved_bytes)
 from .cost_model import CostModel, Topology
-from .placement import Placement, compact_stages, prefix_sums, weighted_bincount
+from .placement import Placement, compact_stages, prefix_sums
 from .relay import add_relays
 from .schedule import derive_schedule_merged
 from .starts import hot_rows
@@ -266,7 +266,7 @@ def _mostly_split_segments(tiles: TileSet, world_size: int) -> bool:
     from .fcp import segments
 
     bounds = segments(tiles, documents=True)
-    work = weighted_bincount(tiles.q, tiles.pairs, tiles.num_blocks)
+    work = tiles.row_pairs()
     prefix = prefix_sums(work)
     long = np.diff(bounds) > -(-tiles.num_blocks // world_size)
     return float((prefix[bounds[1:]] - prefix[bounds[:-1]])[long].sum()) > 0.5 * prefix[-1]

@@ -276,7 +276,7 @@ def as_relay_table(kv_relay) -> np.ndarray:
     return arr
 
 
-def _int_array(values) -> np.ndarray:
+def int_array(values) -> np.ndarray:
     """Integer indices (a numpy array or a CPU tensor) as a numpy array, without a copy where they are
     int32 or int64 already (the callers compute their keys in int64)."""
     array = values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
@@ -291,10 +291,10 @@ def derive_schedule(block_home, tile_q, tile_kv, tile_rank, tile_stage, *, num_b
     ``tile_stage_bwd`` gives the backward stages (default: the forward ones). ``remote``: the tiles'
     (remote q, remote kv) masks where the caller has them (``home[q] != rank``, ``home[kv] != rank``)."""
     home = np.asarray(block_home, dtype=np.int64)
-    q, kv, rank, stage = (_int_array(x) for x in (tile_q, tile_kv, tile_rank, tile_stage))
+    q, kv, rank, stage = (int_array(x) for x in (tile_q, tile_kv, tile_rank, tile_stage))
     remote_q, remote_kv = (home[q] != rank, home[kv] != rank) if remote is None else remote
     groups = InputGroups(rank, q, kv, remote_q, remote_kv)
-    bwd_groups = None if tile_stage_bwd is None else groups(_int_array(tile_stage_bwd))
+    bwd_groups = None if tile_stage_bwd is None else groups(int_array(tile_stage_bwd))
     return schedule_from_groups(home, *groups(stage), num_blocks=num_blocks, num_stages=num_stages,
                                 world_size=world_size, kv_relay=kv_relay, bwd_groups=bwd_groups)
 

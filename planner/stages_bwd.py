@@ -177,8 +177,6 @@ class BackwardChoice(NamedTuple):
                 and np.array_equal(home, self.home))
 
 
-
-
 def _spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarray, local: LocalWork,
                            comm_time: np.ndarray, *, world_size: int, num_stages: int) -> tuple:
     """Move purely local tiles (no transfer) from their backward stage (``backward_stages``) into the

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cost_model import CostModel
-from .placement import balanced_bounds, runs_to_home, weighted_bincount
+from .placement import balanced_bounds, runs_to_home
 from .tiles import TileSet
 
 CUT_SLACK = 0.03  # a run boundary may move by up to 3% of a run to find a cheaper cut
@@ -64,7 +64,7 @@ def hot_rows(tiles: TileSet) -> np.ndarray:
     nB = tiles.num_blocks
     if nB == 0:
         return np.zeros(0, dtype=np.int64)
-    row = weighted_bincount(tiles.q, tiles.pairs, nB)
+    row = tiles.row_pairs()
     span = np.bincount(tiles.q, minlength=nB)
     return np.flatnonzero((row > HOT_ROW * row.mean()) & (span > HOT_SPAN * nB))
 
@@ -112,7 +112,7 @@ def deal_heavy_pieces(tiles: TileSet, home: np.ndarray, world_size: int, topolog
     bounds = segments(tiles, documents=True)
     segment = runs_to_home(bounds, np.arange(bounds.size - 1), tiles.num_blocks)  # each block's segment
     piece = segment * world_size + home // topology.ranks_per_node  # (segment, node)
-    row = weighted_bincount(tiles.q, tiles.pairs, tiles.num_blocks)
+    row = tiles.row_pairs()
     heavy = np.bincount(piece, weights=row) > DEAL_PIECE_FROM * row.sum() / world_size
     return deal_blocks(home, heavy[piece], topology)
 

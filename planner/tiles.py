@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .tile_loops import boundary_crossings, merge_tiles
+from .tile_loops import boundary_crossings, key_sums, merge_tiles
 
 # BlockMask -> TileSet, so planning the same mask for several world sizes / strategies converts once.
 _from_block_mask_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -80,6 +80,17 @@ class TileSet:
         """int64 [nB] valid tokens of every block (the last one may be short)."""
         starts = np.arange(self.num_blocks, dtype=np.int64) * self.block_size
         return np.minimum(self.block_size, self.total_len - starts)
+
+    def row_pairs(self) -> np.ndarray:
+        """float64 [nB], read-only: each q-block's unmasked (q, k) pairs summed over its tiles (whole
+        numbers, so exact). Computed once per TileSet: the starts (``hot_rows``, ``deal_heavy_pieces``)
+        and dcp's test of long segments all weigh the rows by it."""
+        cached = self.__dict__.get("_row_pairs")
+        if cached is None:
+            cached = key_sums(self.q, self.pairs.astype(np.float64), self.num_blocks)
+            cached.setflags(write=False)
+            object.__setattr__(self, "_row_pairs", cached)  # (frozen dataclass: a private memo)
+        return cached
 
     def crossing_counts(self) -> np.ndarray:
         """int64 [nB + 1], read-only: for boundary j (between blocks j-1 and j), the tiles whose q and kv

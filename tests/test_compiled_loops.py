@@ -114,6 +114,19 @@ def test_weighted_bincount_sums_as_numpy_does(seed, size, n):
     assert np.array_equal(weighted_bincount(keys, weights, size), np.bincount(keys, weights=weights, minlength=size))
 
 
+@settings(max_examples=30, deadline=None)
+@given(lens=st.lists(st.integers(1, 700), min_size=1, max_size=6), block=st.sampled_from([16, 64, 128]))
+def test_row_pairs_are_each_q_blocks_pairs_read_only_and_kept(lens, block):
+    from blockattn.masks import MaskSpec
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(block))
+    row = tiles.row_pairs()
+    assert np.array_equal(row, np.bincount(tiles.q, weights=tiles.pairs, minlength=tiles.num_blocks))
+    assert row.sum() == sum(n * (n + 1) // 2 for n in lens)  # (causal documents: every pair counted once)
+    assert not row.flags.writeable and tiles.row_pairs() is row
+
+
 def _split_numpy(stage, kv, rank, home, compute, comm_time, world_size, num_stages):
     """The numpy form ``split_backward_stages`` had before it was compiled."""
     P, S, nB = world_size, num_stages, home.size
