@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .group_loops import by_rank_and_block
 from .jit import compiled
+from .sort_loops import counting_order
 from .tile_loops import grouped_running_sums, stage_loads
 
 
@@ -40,33 +40,62 @@ def stage0_kv_groups(stage, kv, rank, home, compute, ranks, ranks_per_node):
     """planner/stages_bwd.py ``_stage0_remote_kv_groups``: the whole (rank, kv-block) groups of stage-0
     tiles reading remote KV on the flagged ``ranks`` (``ranks_per_node`` > 0: only kv-blocks homed on
     the rank's node), as (tile indices ascending, each one's group, each group's rank, each group's
-    seconds summed in tile order), groups by rank, latest kv-block first; no tiles where none is."""
-    n = stage.size
-    eligible = np.empty(n, dtype=np.int64)
+    seconds summed in tile order), groups by rank, latest kv-block first; no tiles where none is.
+    Each eligible tile's group key is kept beside it, so the grouping reads the sorted keys instead of
+    gathering every tile's rank and block again in sorted (random) order: ~2x faster on a 1M / 64 plan's
+    137K eligible tiles, where this runs ~130 times a plan."""
+    n, P, nB = stage.size, ranks.size, home.size
+    # (each rank's and each block's home's node, 0 for all without ranks_per_node: a gather per tile
+    # instead of two divisions)
+    rank_node = np.zeros(P, dtype=np.int64)
+    block_node = np.zeros(nB, dtype=np.int64)
+    if ranks_per_node > 0:
+        for r in range(P):
+            rank_node[r] = r // ranks_per_node
+        for b in range(nB):
+            block_node[b] = home[b] // ranks_per_node
+    idx = np.empty(n, dtype=np.int64)
+    key = np.empty(n, dtype=np.int64)  # rank * nB + (nB - 1 - kv-block): by rank, latest block first
     m = 0
     for i in range(n):
-        r, h = rank[i], home[kv[i]]
-        same_node = ranks_per_node <= 0 or h // ranks_per_node == r // ranks_per_node
-        if stage[i] == 0 and h != r and ranks[r] and same_node:
-            eligible[m] = i
+        r, b = rank[i], kv[i]
+        if stage[i] == 0 and ranks[r] and home[b] != r and block_node[b] == rank_node[r]:
+            idx[m], key[m] = i, r * nB + (nB - 1 - b)
             m += 1
-    idx = eligible[:m].copy()
-    order = by_rank_and_block(idx, rank, kv, True)
-    group_of = np.empty(n, dtype=np.int64)  # (only the eligible tiles' entries are written and read)
+    order = _stable_key_order(key[:m], rank, idx, P, nB)
+    of_tile = np.empty(m, dtype=np.int64)
     group_rank = np.empty(m, dtype=np.int64)
     group_seconds = np.empty(m, dtype=np.float64)
-    g = -1
+    g, previous = -1, -1
     for i in range(m):
-        t = order[i]
-        if i == 0 or rank[t] != rank[order[i - 1]] or kv[t] != kv[order[i - 1]]:
+        j = order[i]
+        if key[j] != previous:
             g += 1
-            group_rank[g], group_seconds[g] = rank[t], 0.0
-        group_seconds[g] += compute[t]  # (a group's tiles ascending: bincount's order)
-        group_of[t] = g
-    of_tile = np.empty(m, dtype=np.int64)
+            previous = key[j]
+            group_rank[g], group_seconds[g] = rank[idx[j]], 0.0
+        group_seconds[g] += compute[idx[j]]  # (a group's tiles ascending: bincount's order)
+        of_tile[j] = g
+    return idx[:m].copy(), of_tile, group_rank[:g + 1].copy(), group_seconds[:g + 1].copy()
+
+
+@compiled
+def _stable_key_order(key, rank, idx, num_ranks, num_blocks):
+    """The stable argsort of the keys ``rank * num_blocks + block`` of tiles ``idx``: one counting pass
+    where there are not many more keys than tiles, else two (by block, then by the tiles' rank)."""
+    m = key.size
+    if num_ranks * num_blocks <= 4 * m:
+        return counting_order(key, num_ranks * num_blocks)
+    low = np.empty(m, dtype=np.int64)
     for j in range(m):
-        of_tile[j] = group_of[idx[j]]
-    return idx, of_tile, group_rank[:g + 1].copy(), group_seconds[:g + 1].copy()
+        low[j] = key[j] - rank[idx[j]] * num_blocks
+    first = counting_order(low, num_blocks)
+    for i in range(m):
+        low[i] = rank[idx[first[i]]]
+    second = counting_order(low, num_ranks)
+    order = np.empty(m, dtype=np.int64)
+    for i in range(m):
+        order[i] = first[second[i]]
+    return order
 
 
 @compiled

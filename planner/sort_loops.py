@@ -12,7 +12,6 @@ import numpy as np
 from .jit import compiled
 
 
-
 @compiled
 def stable_argsort(keys, lo, hi, out):
     """out[lo:hi] = lo + the stable argsort of keys[lo:hi] (a bottom-up merge sort)."""
