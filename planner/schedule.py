@@ -44,6 +44,7 @@ import torch
 from .comm_loops import dkv_routes as comm_dkv_routes
 from .comm_loops import relay_free_rows, relayed_kv_rows
 from .group_loops import group_stages, group_tiles
+from .jit import read_only_int64
 from .sort_loops import rows_in_wire_order
 from .tile_loops import covered_rows_and_columns, real_groups
 
@@ -358,7 +359,7 @@ def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num
                                         and np.array_equal(kv_bwd[1], kv_groups[1])):
         raise ValueError("bwd_groups must hold the forward groups' (rank, block) pairs, in the same order")
     if relay.shape[0] == 0:  # (the common case, compiled: planner/comm_loops.py; the same rows)
-        as64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+        as64 = read_only_int64
         return relay_free_rows(as64(home), *map(as64, q_groups), *map(as64, q_bwd), *map(as64, kv_groups[:3]),
                                as64(kv_bwd[3]))
     r, b, first, last = q_groups
@@ -370,7 +371,7 @@ def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num
 
     r, b, first, _ = kv_groups
     # (compiled: planner/comm_loops.py; tests/test_comm_times.py checks it against the numpy passes)
-    src, kv_in = relayed_kv_rows(*(np.asarray(x, dtype=np.int64) for x in (home, r, b, first, relay)), int(num_blocks))
+    src, kv_in = relayed_kv_rows(*map(read_only_int64, (home, r, b, first, relay)), int(num_blocks))
     last = kv_bwd[3]  # (same pairs: the forward's KV sources are the backward's DKV parents)
     dkv_dst, dkv_stage, transit_dkv = dkv_routes(home, r, b, last, src, num_blocks, num_stages)
     d_kv = np.concatenate([_rows(dkv_stage, r, dkv_dst, KIND_DKV, b), transit_dkv])
@@ -389,5 +390,4 @@ def dkv_routes(home, r, b, last, src, num_blocks: int, num_stages: int) -> tuple
     the transit row, leaves after its last child's, so the partials cross the NIC from t, not from
     the reader."""
     # (compiled: planner/comm_loops.py; tests/test_comm_times.py checks it against the numpy passes)
-    as64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
-    return comm_dkv_routes(as64(home), as64(r), as64(b), as64(last), as64(src), int(num_blocks), int(num_stages))
+    return comm_dkv_routes(*map(read_only_int64, (home, r, b, last, src)), int(num_blocks), int(num_stages))

@@ -69,3 +69,22 @@ def test_the_compiled_planner_plans_as_its_python_source_does():
         assert done.returncode == 0, done.stderr[-2000:]
         prints.append(done.stdout.split())
     assert prints[0] == prints[1] and len(prints[0]) == 2, prints
+
+
+def test_read_only_int64_gives_one_numba_type_for_any_index_array():
+    """A writable, a read-only and a strided array (and int32) reach the compiled loops as one argument
+    type, so each loop compiles one version; the caller's array keeps its flags and values."""
+    import numba
+
+    from blockattn.planner.jit import read_only_int64
+
+    writable = np.arange(6, dtype=np.int64)
+    read_only = np.arange(6, dtype=np.int64)
+    read_only.setflags(write=False)
+    strided = np.arange(12, dtype=np.int64).reshape(6, 2)[:, 0]
+    narrow = np.arange(6, dtype=np.int32)
+    views = [read_only_int64(a) for a in (writable, read_only, strided, narrow)]
+    assert len({numba.typeof(v) for v in views}) == 1
+    assert all(v.dtype == np.int64 and v.flags.c_contiguous and not v.flags.writeable for v in views)
+    assert np.array_equal(views[2], [0, 2, 4, 6, 8, 10]) and np.array_equal(views[0], np.arange(6))
+    assert writable.flags.writeable and np.shares_memory(views[0], writable)  # (a view, not a copy)
