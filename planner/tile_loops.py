@@ -253,20 +253,37 @@ def pour(stage, order, ranks, end, total, gaps, movable, fill):
             flat[r * F + i] = upto[r, i] + shift * r
     out = stage
     # a tile's gap is searchsorted(flat, end + shift * r, "left") - r * F; within a rank the ends grow,
-    # and so does that position: one pointer per rank walks the rank's row instead of a search per tile
-    i, previous = 0, -1
-    for j in range(order.size):
-        r = ranks[j]
-        if r != previous:
-            i, previous = 0, r
-        target = end[j] + shift * r
-        while i < F and flat[r * F + i] < target:
-            i += 1
-        if i < F:
+    # and so does that position: one pointer per rank walks the rank's row instead of a search per tile.
+    # Once it is past the rank's last gap, the rank's later tiles stay: the walk jumps to the next rank
+    # (most of a rank's local tiles, where its gaps are small: ~1/3 of a 1M / 64 plan's pours)
+    n, j = order.size, 0
+    while j < n:
+        r, i = ranks[j], 0
+        while j < n and ranks[j] == r:
+            target = end[j] + shift * r
+            while i < F and flat[r * F + i] < target:
+                i += 1
+            if i == F:
+                j = _after_run(ranks, j, r)
+                break
             if out is stage:
                 out = stage.copy()
             out[order[j]] = fill[i]
+            j += 1
     return out
+
+
+@compiled
+def _after_run(keys, j, key):
+    """The first position after ``j`` whose value exceeds ``key``, in the ascending ``keys``."""
+    lo, hi = j + 1, keys.size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if keys[mid] <= key:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 @compiled
