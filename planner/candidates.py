@@ -25,7 +25,7 @@ from .placement import Placement, per_rank_and_stage, weighted_bincount
 from .relay import add_relays, add_transit
 from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, bytes_per_token, payload_bytes, row_bytes
 from .stages import assign_stages
-from .stages_bwd import defer_backward_groups, defer_variant_sets
+from .stages_bwd import defer_backward_orders, defer_variant_sets
 from .starts import contiguous_cut_home, dealt_home, hierarchical_home, spread_read_blocks
 from .tile_loops import remote_tokens
 from .tiles import TileSet
@@ -106,13 +106,16 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
     # groups before a large one can fit where the plain variants fit none; no plan of the 126
     # multi-node cases of seeds 0 and 1 changed by it)
     rpn = cost_model.topology.ranks_per_node
-    if all(defer_backward_groups(stage_bwd, tiles.kv, placement.tile_rank, placement.block_home, compute_bwd,
-                                 load, comm, largest_first=largest_first, into_last=True,
-                                 ranks_per_node=rpn if by_node else None) is stage_bwd
-           for largest_first, by_node in defer_variant_sets(world_size, rpn, node_local)[-1]):
-        return placement
-    return Finisher(tiles, placement.block_home, placement.tile_rank, placement.tile_stage, world_size=world_size,
-                    cost_model=cost_model, sizes=sizes).deferred(placement, node_local=node_local)
+    variants = defer_variant_sets(world_size, rpn, node_local)[-1]
+    for by_node in dict.fromkeys(by_node for _, by_node in variants):  # (both orders from one group search)
+        orders = tuple(largest_first for largest_first, local in variants if local == by_node)
+        if any(cand is not stage_bwd for cand in defer_backward_orders(
+                stage_bwd, tiles.kv, placement.tile_rank, placement.block_home, compute_bwd, load, comm,
+                orders=orders, into_last=True, ranks_per_node=rpn if by_node else None)):
+            return Finisher(tiles, placement.block_home, placement.tile_rank, placement.tile_stage,
+                            world_size=world_size, cost_model=cost_model, sizes=sizes).deferred(
+                                placement, node_local=node_local)
+    return placement
 
 
 def _with_transit(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel,

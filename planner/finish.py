@@ -20,7 +20,7 @@ from .placement import Placement, compact_stages, per_rank_and_stage
 from .schedule import InputGroups, schedule_from_groups, schedule_rows
 from .stages import LocalWork, own_row_movable, spread_local_tiles, spread_own_rows
 from .stages_bwd import (DEFER_ROUNDS, BackwardChoice, backward_stages, backward_time, choose_backward_staging,
-                         defer_backward_groups, defer_variant_sets)
+                         defer_backward_orders, defer_variant_sets)
 
 
 def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarray, *, world_size: int,
@@ -171,11 +171,16 @@ class Finisher:
         for into_last in (False, True):
             for _ in range(DEFER_ROUNDS):
                 load = per_rank_and_stage(self.rank, spread, self.compute_bwd, self.P, S)
+                cands = {}  # (each node_local's groups found once, for both orders)
+                for node_local in dict.fromkeys(node_local for _, node_local in variants):
+                    orders = tuple(largest_first for largest_first, local in variants if local == node_local)
+                    staged = defer_backward_orders(unspread, self.tiles.kv, self.rank, self.home, self.compute_bwd,
+                                                   load, comm, orders=orders, into_last=into_last,
+                                                   ranks_per_node=rpn if node_local else None)
+                    cands.update(((largest_first, node_local), cand) for largest_first, cand in zip(orders, staged))
                 tried, found = [], None
-                for largest_first, node_local in variants:
-                    cand = defer_backward_groups(unspread, self.tiles.kv, self.rank, self.home, self.compute_bwd,
-                                                 load, comm, largest_first=largest_first, into_last=into_last,
-                                                 ranks_per_node=rpn if node_local else None)
+                for variant in variants:
+                    cand = cands[variant]
                     if cand is unspread or any(np.array_equal(cand, other) for other in tried):
                         continue
                     tried.append(cand)

@@ -40,7 +40,6 @@ def defer_variant_sets(world_size: int, ranks_per_node: int, node_local: bool = 
     return DEFER_VARIANT_SETS[: None if node_local and world_size > ranks_per_node else 1]
 
 
-
 def backward_stages(q: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray, num_stages: int) -> np.ndarray:
     """int64 [ntiles] backward stage of every tile, by what the tile sends and needs.
 
@@ -104,16 +103,35 @@ def defer_backward_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, h
     class-rule stage or spread); ``compute``: per-tile backward seconds; ``load`` [P, S]: the backward
     seconds per rank and stage the gaps are measured against (local tiles spread); ``comm_time``
     [P, S + 1]: the backward's transfer time per exchange. Returns ``stage`` itself when nothing moves."""
+    return defer_backward_orders(stage, kv, rank, home, compute, load, comm_time, share=share,
+                                 orders=(largest_first,), into_last=into_last, ranks_per_node=ranks_per_node)[0]
+
+
+def defer_backward_orders(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,
+                          compute: np.ndarray, load: np.ndarray, comm_time: np.ndarray, *,
+                          share: float = DEFER_SHARE, orders: tuple = (False,), into_last: bool = False,
+                          ranks_per_node: int | None = None) -> list:
+    """``defer_backward_groups`` for each ``largest_first`` of ``orders``, in that order: the groups
+    and the room are the same for both orders, so they are found once (the deferral rounds try both:
+    half of a 1M / 64 plan's group searches were repeats)."""
     P, S = load.shape
     if S < 3:
-        return stage
+        return [stage] * len(orders)
     top = S if into_last else S - 1  # stages 1 .. top - 1 take groups
     gaps = np.maximum(0.0, comm_time[:, 1:top] - load[:, 1:top])  # stage j overlaps exchange j
     surplus = np.maximum(0.0, load[:, 0] - comm_time[:, 0])
     upto = np.minimum(np.cumsum(share * gaps, axis=1), surplus[:, None])  # [P, top - 1] work placed up to stage j
     found = _stage0_remote_kv_groups(stage, kv, rank, home, compute, upto[:, -1] > 0, ranks_per_node)
     if found is None:
-        return stage
+        return [stage] * len(orders)
+    return [_deferred(stage, found, upto, top - 1, largest_first) for largest_first in orders]
+
+
+def _deferred(stage: np.ndarray, found: tuple, upto: np.ndarray, F: int, largest_first: bool) -> np.ndarray:
+    """``stage`` with the groups ``found`` (``_stage0_remote_kv_groups``) moved into the room ``upto``
+    [P, F] (work placed up to each of stages 1 .. F), each rank's groups in the order ``largest_first``
+    asks for; ``stage`` itself where none moves."""
+    P = upto.shape[0]
     idx, of_tile, group_rank, group_c = found
     if largest_first:
         order = np.lexsort((-group_c, group_rank))
@@ -122,7 +140,6 @@ def defer_backward_groups(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, h
     else:
         end = _grouped_cumsum(group_rank, group_c)
     # a group goes to the first stage j whose cumulative room reaches its end (as in ``_pour``)
-    F = top - 1
     shift = 2.0 * float(max(end.max(), upto.max())) + 1.0
     flat = (upto + shift * np.arange(P)[:, None]).ravel()
     j = np.searchsorted(flat, end + shift * group_rank, side="left") - group_rank * F

@@ -384,3 +384,26 @@ def test_stage0_remote_kv_groups_are_their_numpy_form(seed, num_blocks, world_si
     groups, of_tile = np.unique(rank[idx] * num_blocks + (num_blocks - 1 - kv[idx]), return_inverse=True)
     want = (idx, of_tile.ravel(), groups // num_blocks, np.bincount(of_tile.ravel(), weights=compute[idx]))
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+@settings(max_examples=60, deadline=None)
+@given(**PLACEMENTS, per_node=st.sampled_from([None, 2]), into_last=st.booleans())
+def test_deferral_orders_share_one_group_search(seed, num_blocks, world_size, num_tiles, num_stages, per_node,
+                                                into_last):
+    """planner/stages_bwd.py ``defer_backward_orders`` (both orders from one search of the groups) gives
+    what ``defer_backward_groups`` gives for each order, ``stage`` itself where nothing moves."""
+    from blockattn.planner.placement import per_rank_and_stage
+    from blockattn.planner.stages_bwd import defer_backward_groups, defer_backward_orders
+
+    q, kv, rank, home, _ = _placement(seed, num_blocks, world_size, num_tiles, num_stages + 2)
+    rng = np.random.default_rng(seed + 5)
+    S = num_stages + 2
+    stage = backward_stages(q, kv, rank, home, S)
+    compute = rng.exponential(1e-6, q.size)
+    load = per_rank_and_stage(rank, stage, compute, world_size, S)
+    comm = rng.exponential(2e-6, (world_size, S + 1))
+    args = (stage, kv, rank, home, compute, load, comm)
+    both = defer_backward_orders(*args, orders=(False, True), into_last=into_last, ranks_per_node=per_node)
+    for largest_first, got in zip((False, True), both):
+        want = defer_backward_groups(*args, largest_first=largest_first, into_last=into_last, ranks_per_node=per_node)
+        assert np.array_equal(got, want) and ((got is stage) == (want is stage))
