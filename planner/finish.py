@@ -17,7 +17,7 @@ import numpy as np
 
 from .cost_model import CostModel
 from .placement import Placement, compact_stages, per_rank_and_stage
-from .schedule import InputGroups, schedule_from_groups, schedule_rows
+from .schedule import InputGroups, as_relay_table, relayed_kv_side, schedule_from_groups, schedule_rows
 from .stages import LocalWork, own_row_movable, spread_local_tiles, spread_own_rows
 from .stages_bwd import (DEFER_ROUNDS, BackwardChoice, backward_stages, backward_time, choose_backward_staging,
                          defer_backward_orders, defer_variant_sets)
@@ -59,6 +59,7 @@ class Finisher:
         self._plain_bwd = {}  # num_stages -> (class-rule backward stages, their receive groups)
         self._local_work = None
         self._own_movable = None  # (``_own_row_movable``)
+        self._kv_sides = {}  # relay table (bytes) -> relayed_kv_side of the forward groups
 
     def _groups(self, stage: np.ndarray) -> tuple:
         """(q, kv) ``receive_groups`` of the remote inputs under per-tile ``stage``."""
@@ -79,6 +80,18 @@ class Finisher:
             self._fwd_groups = self._groups(self.stage)
         return self._fwd_groups
 
+    def _kv_side(self, kv_relay):
+        """``relayed_kv_side`` of the forward groups under ``kv_relay`` (None without relays), once per
+        table: every backward staging weighed under it shares the forward's KV sources (half of a
+        1M / 64 plan's relayed KV derivations were repeats, most of them in the deferral rounds)."""
+        relay = as_relay_table(kv_relay)
+        if relay.shape[0] == 0:
+            return None
+        key = relay.tobytes()
+        if key not in self._kv_sides:
+            self._kv_sides[key] = relayed_kv_side(self.home, self._forward_groups()[1], relay, self.tiles.num_blocks)
+        return self._kv_sides[key]
+
     def _plain_backward(self, num_stages: int) -> tuple:
         if num_stages not in self._plain_bwd:
             stage_bwd = backward_stages(self.tiles.q, self.tiles.kv, self.rank, self.home, num_stages)
@@ -94,7 +107,7 @@ class Finisher:
             bwd_groups = self._groups(stage_bwd)
         sched = schedule_from_groups(self.home, *self._forward_groups(), num_blocks=self.tiles.num_blocks,
                                      num_stages=num_stages, world_size=self.P, kv_relay=kv_relay,
-                                     bwd_groups=bwd_groups)
+                                     bwd_groups=bwd_groups, kv_side=self._kv_side(kv_relay))
         return stage_bwd, sched, bwd_groups
 
     def _comm(self, sched, directions) -> dict:
@@ -117,7 +130,8 @@ class Finisher:
         schedule's unsorted rows: the costs are sums per rank and exchange, so no wire order is needed."""
         groups = self._groups(stage_bwd)
         _, rows = schedule_rows(self.home, *self._forward_groups(), num_blocks=self.tiles.num_blocks,
-                                num_stages=num_stages, kv_relay=kv_relay, bwd_groups=groups)
+                                num_stages=num_stages, kv_relay=kv_relay, bwd_groups=groups,
+                                kv_side=self._kv_side(kv_relay))
         return groups, self.cost_model.table_comm_time(rows, self.block_len, self.P, num_stages, **self.sizes)
 
     def deferred(self, placement: Placement, node_local: bool = True) -> Placement:
@@ -145,7 +159,8 @@ class Finisher:
                 for variants in defer_variant_sets(self.P, self.cost_model.topology.ranks_per_node, node_local)]
         _, spread, groups, _, _ = min(ends, key=lambda end: end[-1])  # (first of equals: the plain variants)
         sched = schedule_from_groups(self.home, *self._forward_groups(), num_blocks=self.tiles.num_blocks,
-                                     num_stages=S, world_size=self.P, kv_relay=kv_relay, bwd_groups=groups)
+                                     num_stages=S, world_size=self.P, kv_relay=kv_relay, bwd_groups=groups,
+                                     kv_side=self._kv_side(kv_relay))
         comm = self._comm(sched, ("fwd", "bwd"))
 
         def per_stage(stage):

@@ -339,20 +339,23 @@ def derive_schedule_merged(tiles, coarse, of_fine: np.ndarray, factor: int, coar
 
 
 def schedule_from_groups(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num_stages: int,
-                         world_size: int, kv_relay=None, bwd_groups=None) -> CommSchedule:
+                         world_size: int, kv_relay=None, bwd_groups=None, kv_side: tuple | None = None) -> CommSchedule:
     """The CommSchedule from the ``receive_groups`` (rank, block, first, last) of the tiles' remote q-
     and kv-blocks (lets a planner that changes few stages rebuild it without touching every tile);
-    ``bwd_groups`` = (q, kv) groups under the backward stages (default: the forward groups)."""
+    ``bwd_groups`` = (q, kv) groups under the backward stages (default: the forward groups);
+    ``kv_side``: ``relayed_kv_side`` of these groups and relays, where the caller has it."""
     fwd, bwd = schedule_rows(home, q_groups, kv_groups, num_blocks=num_blocks, num_stages=num_stages,
-                             kv_relay=kv_relay, bwd_groups=bwd_groups)
+                             kv_relay=kv_relay, bwd_groups=bwd_groups, kv_side=kv_side)
     return CommSchedule.from_rows(fwd, bwd, num_stages=num_stages, world_size=world_size)
 
 
 def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num_stages: int,
-                  kv_relay=None, bwd_groups=None) -> tuple[np.ndarray, np.ndarray]:
+                  kv_relay=None, bwd_groups=None, kv_side: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The forward and backward rows of ``schedule_from_groups``, int64 and *unsorted* (enough for a
     cost estimate, which sums per (rank, stage); ``CommSchedule.from_rows`` puts them in wire order).
-    The backward rows follow ``bwd_groups`` (same (rank, block) pairs, backward first / last stages)."""
+    The backward rows follow ``bwd_groups`` (same (rank, block) pairs, backward first / last stages).
+    ``kv_side``: ``relayed_kv_side(home, kv_groups, kv_relay, num_blocks)``, where the caller has it
+    (it depends on the forward groups and the relays alone, not on the backward stages)."""
     q_bwd, kv_bwd = (q_groups, kv_groups) if bwd_groups is None else bwd_groups
     relay = as_relay_table(kv_relay)
     if kv_bwd is not kv_groups and not (np.array_equal(kv_bwd[0], kv_groups[0])
@@ -369,19 +372,29 @@ def schedule_rows(home: np.ndarray, q_groups, kv_groups, *, num_blocks: int, num
     d_out = _rows(first, home[b], r, KIND_DO, b)
     d_q = _rows(last + 1, r, home[b], KIND_DQ, b)
 
-    r, b, first, _ = kv_groups
-    # (compiled: planner/comm_loops.py; tests/test_comm_times.py checks it against the numpy passes)
-    src, kv_in = relayed_kv_rows(*map(read_only_int64, (home, r, b, first, relay)), int(num_blocks))
+    r, b = kv_groups[:2]
+    src, kv_in = relayed_kv_side(home, kv_groups, relay, num_blocks) if kv_side is None else kv_side
     last = kv_bwd[3]  # (same pairs: the forward's KV sources are the backward's DKV parents)
     dkv_dst, dkv_stage, transit_dkv = dkv_routes(home, r, b, last, src, num_blocks, num_stages)
     d_kv = np.concatenate([_rows(dkv_stage, r, dkv_dst, KIND_DKV, b), transit_dkv])
     return np.concatenate([q_in, kv_in, out]), np.concatenate([d_out, d_q, d_kv])
 
 
+def relayed_kv_side(home: np.ndarray, kv_groups, kv_relay, num_blocks: int) -> tuple:
+    """(each forward kv receive group's KV source, the forward KV rows [m, 5]) under the relay table
+    ``kv_relay`` (non-empty): the KV side of ``schedule_rows``, read-only (planner/comm_loops.py
+    ``relayed_kv_rows``; tests/test_comm_times.py checks it against the numpy passes)."""
+    r, b, first, _ = kv_groups
+    side = relayed_kv_rows(*map(read_only_int64, (home, r, b, first, as_relay_table(kv_relay))), int(num_blocks))
+    for part in side:
+        part.setflags(write=False)
+    return side
+
+
 def dkv_routes(home, r, b, last, src, num_blocks: int, num_stages: int) -> tuple:
     """(DKV destination [n], stage [n], transit rows [m, 5]) of the (rank r, kv-block b) receive groups
-    (``last``: a group's last backward stage; ``src``: its KV source, planner/comm_loops.py ``relayed_kv_rows``): home at
-    ``last + 1``, or up a reduce tree.
+    (``last``: a group's last backward stage; ``src``: its KV source, planner/comm_loops.py
+    ``relayed_kv_rows``): home at ``last + 1``, or up a reduce tree.
 
     A child of a proxy (a rank with tiles of b that got it from the home or from a transit rank)
     reduces into the proxy when the proxy can still forward the sum: the child's partial arrives at

@@ -214,3 +214,36 @@ def test_relayed_kv_rows_equal_their_numpy_passes(seed, world_size, num_blocks, 
     got = relayed_kv_rows(home, r, b, first, relay, num_blocks)
     want = _relayed_kv_rows_numpy(home, r, b, first, relay, num_blocks)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), world_size=st.integers(1, 9), num_blocks=st.integers(1, 10),
+       num_stages=st.integers(1, 5), num_relays=st.integers(1, 14))
+def test_a_relayed_kv_side_given_gives_the_same_rows(seed, world_size, num_blocks, num_stages, num_relays):
+    """``schedule_rows`` with the KV side derived once (``relayed_kv_side``, as a Finisher keeps it per
+    relay table) gives the rows it derives itself, for two backward stagings of the same groups."""
+    from blockattn.planner.schedule import relayed_kv_side, schedule_rows
+
+    rng = np.random.default_rng(seed)
+    home = rng.integers(0, world_size, num_blocks)
+
+    def groups(cells):
+        r, b = cells // num_blocks, cells % num_blocks
+        first = rng.integers(1, num_stages + 1, r.size)
+        return r, b, first, np.maximum(first, rng.integers(0, num_stages, r.size))
+
+    def cells():
+        size = world_size * num_blocks
+        return np.unique(rng.integers(0, size, int(rng.integers(0, 2 * size + 1))))
+
+    q, kv = groups(cells()), groups(cells())
+    relay = np.stack([rng.integers(0, num_blocks, num_relays), rng.integers(0, world_size, num_relays),
+                      rng.integers(0, world_size, num_relays)], axis=1).astype(np.int64)
+    relay = relay[np.lexsort((relay[:, 1], relay[:, 0]))]
+    side = relayed_kv_side(home, kv, relay, num_blocks)
+    assert not any(part.flags.writeable for part in side)
+    for _ in range(2):
+        bwd = tuple((g[0], g[1], *groups(g[0] * num_blocks + g[1])[2:]) for g in (q, kv))
+        args = dict(num_blocks=num_blocks, num_stages=num_stages, kv_relay=relay, bwd_groups=bwd)
+        got, want = schedule_rows(home, q, kv, kv_side=side, **args), schedule_rows(home, q, kv, **args)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
