@@ -188,14 +188,18 @@ def _restaged(tiles: TileSet, placement: Placement, world_size: int, cost_model:
     staged together so that each stage also fits the *senders'* compute (``both_ends``)."""
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
     home, rank = placement.block_home, placement.tile_rank
-    best = placement
+    best, choice = placement, placement.bwd_choice
     for scale, both_ends in ((FRONT_LOAD, False), (1.0, True), (ADAPTIVE_SCALES, False)):
         stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
                               total_len=tiles.total_len, world_size=world_size, cost_model=cost_model,
                               max_stages=max_stages, budget_scale=scale, both_ends=both_ends, **sizes)
-        alt = add_relays(tiles, finish_placement(tiles, home, rank, stage, world_size=world_size,
-                                                 cost_model=cost_model, sizes=sizes, max_stages=max_stages),
-                         world_size=world_size, cost_model=cost_model, max_stages=max_stages, sizes=sizes)
+        # (the same homes and tile ranks each time: a backward staging chosen for one stage count is
+        # taken again where the next restaging has as many stages)
+        finished = finish_placement(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model,
+                                    sizes=sizes, max_stages=max_stages, bwd_choice=choice)
+        choice = finished.bwd_choice
+        alt = add_relays(tiles, finished, world_size=world_size, cost_model=cost_model, max_stages=max_stages,
+                         sizes=sizes)
         if alt.sim_time < best.sim_time:
             best = alt
     return best

@@ -25,16 +25,18 @@ from .stages_bwd import (DEFER_ROUNDS, BackwardChoice, backward_stages, backward
 
 def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarray, *, world_size: int,
                      cost_model: CostModel, sizes: dict, kv_relay=None, spread_forward: bool = True,
-                     max_stages: int | None = None, score: bool = True) -> Placement:
+                     max_stages: int | None = None, score: bool = True, bwd_choice=None) -> Placement:
     """The Placement of given homes, tile ranks and forward stages, completed: stages compacted,
     backward stages (``backward_stages``), the CommSchedule, local tiles spread into the stages where
     transfers would otherwise be exposed (forward only with ``spread_forward``, then also the tiles of
     a rank's own rows that move no transfer, ``spread_own_rows``; into one more stage after the last
     when ``max_stages`` allows it; backward always), and the simulated
     forward + backward time (``score``; without it, ``sim_time`` is None and the forward's transfer
-    times are not computed). ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size, grad_element_size."""
+    times are not computed). ``sizes``: num_q_heads, num_kv_heads, head_dim, element_size, grad_element_size.
+    ``bwd_choice``: another placement's ``BackwardChoice`` (planner/stages_bwd.py), taken as this one's
+    where it fits these homes, tile ranks and stage count without relays (it would be chosen again)."""
     return Finisher(tiles, home, rank, stage, world_size=world_size, cost_model=cost_model, sizes=sizes).finish(
-        kv_relay, spread_forward=spread_forward, max_stages=max_stages, score=score)
+        kv_relay, spread_forward=spread_forward, max_stages=max_stages, score=score, bwd_choice=bwd_choice)
 
 
 class Finisher:
@@ -213,7 +215,7 @@ class Finisher:
         return unspread, spread, groups, comm, best
 
     def finish(self, kv_relay=None, *, spread_forward: bool = True, max_stages: int | None = None,
-               score: bool = True) -> Placement:
+               score: bool = True, bwd_choice=None) -> Placement:
         """The completed Placement under ``kv_relay`` (see ``finish_placement``)."""
         tiles, home, rank, P, cost_model = self.tiles, self.home, self.rank, self.P, self.cost_model
         stage, num_stages = self.stage, self.num_stages
@@ -256,12 +258,21 @@ class Finisher:
                 return self._backward_transfers(kv_relay, num_stages, stage_bwd)
 
             plain = stage_bwd
-            chosen, stage_bwd, groups, _ = choose_backward_staging(
-                plain, (groups, comm["bwd"]), derive, spread_and_time, q=tiles.q, kv=tiles.kv,
-                rank=rank, home=home, compute=compute_bwd, world_size=P, num_stages=num_stages)
-            if chosen is not plain:
-                _, sched, groups = self._schedule(kv_relay, num_stages, chosen)
-                comm = self._comm(sched, directions)
+            if kv_relay is None and bwd_choice is not None and bwd_choice.fits(tiles, home, rank, num_stages):
+                # (the class rule, its split and their relay-free transfers do not depend on the forward
+                # stages: the choice is the same; a restaging found a third of a 1M / 64 plan's again)
+                chosen = plain if np.array_equal(bwd_choice.stage_bwd, plain) else bwd_choice.stage_bwd
+                if chosen is not plain:
+                    _, sched, groups = self._schedule(kv_relay, num_stages, chosen)
+                    comm = self._comm(sched, directions)
+                stage_bwd = spread_and_time(chosen, comm["bwd"])[0]
+            else:
+                chosen, stage_bwd, groups, _ = choose_backward_staging(
+                    plain, (groups, comm["bwd"]), derive, spread_and_time, q=tiles.q, kv=tiles.kv,
+                    rank=rank, home=home, compute=compute_bwd, world_size=P, num_stages=num_stages)
+                if chosen is not plain:
+                    _, sched, groups = self._schedule(kv_relay, num_stages, chosen)
+                    comm = self._comm(sched, directions)
         else:
             chosen = stage_bwd
 

@@ -605,6 +605,38 @@ def test_relay_scorer_starts_from_the_finishs_backward_choice():
     assert not choice.fits(tiles, home, moved, num_stages) and not choice.fits(tiles, home, rank, num_stages + 1)
 
 
+def test_a_restaging_takes_the_backward_choice_made_for_its_ranks():
+    """finish_placement given another staging's ``bwd_choice`` (same homes and tile ranks) finishes its
+    forward stages into the same Placement as when it chooses the backward staging itself: the choice
+    does not depend on the forward stages. One made for another stage count is not taken."""
+    from blockattn.planner import dcp as dcp_module
+    from blockattn.planner.finish import finish_placement
+    from blockattn.planner.stages import assign_stages
+
+    spec = MaskSpec.documents([6000, 5000, 800, 2300])
+    tiles = TileSet.from_block_mask(spec.block_mask(128))
+    cm = CostModel(topology=Topology(ranks_per_node=2))
+    sizes = dict(SIZES, grad_element_size=4)
+    base = dcp_module._place(tiles, 6, "hierarchical", cm, 4, sizes, relays=False)[0]
+    home, rank = base.block_home, base.tile_rank
+    flops = cm.tile_flops(tiles.pairs, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
+    taken = 0
+    for scale, both_ends in ((1.5, False), (1.0, True), (0.7, False)):
+        stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=128, total_len=tiles.total_len,
+                              world_size=6, cost_model=cm, max_stages=4, budget_scale=scale, both_ends=both_ends,
+                              **sizes)
+        kw = dict(world_size=6, cost_model=cm, sizes=sizes, max_stages=4)
+        fresh = finish_placement(tiles, home, rank, stage, **kw)
+        hinted = finish_placement(tiles, home, rank, stage, bwd_choice=base.bwd_choice, **kw)
+        taken += fresh.bwd_choice.num_stages == base.bwd_choice.num_stages
+        assert hinted.sim_time == fresh.sim_time
+        for a, b in ((hinted.tile_stage, fresh.tile_stage), (hinted.tile_stage_bwd, fresh.tile_stage_bwd),
+                     (hinted.schedule.fwd, fresh.schedule.fwd), (hinted.schedule.bwd, fresh.schedule.bwd),
+                     (hinted.bwd_choice.stage_bwd, fresh.bwd_choice.stage_bwd)):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert taken > 0  # (at least one restaging had the base's stage count, so the choice was taken)
+
+
 def test_transit_relays_in_passes_until_one_gains_nothing():
     """9 ranks, 3 per node: a first pass of transit relays gains next to nothing, a second one ~9% (the
     first pass's relays free NIC time the second pass's use). dcp's ``_with_transit`` takes passes until
