@@ -1,5 +1,6 @@
 """Compiled loops over schedule rows (numba): a placement's transfer times per rank and exchange, its
-rows (relay-free, and the KV side and dK/dV reduce trees of relayed ones), and the polish's rank times.
+rows (relay-free, and the KV side and dK/dV reduce trees of relayed ones), the polish's rank times, and
+the transit relays' choice of ranks by NIC load.
 
 Notation (docs/design.md): P ranks, S stages, schedule rows (stage, src, dst, kind, block); exchange j
 carries the inputs of stage j + 1 and the results of stage j (planner/cost_model.py).
@@ -204,3 +205,60 @@ def relayed_kv_rows(home, r, b, first, relay, num_blocks):
                                                                       transit_key[t] // num_blocks, 1, block)
         k += 1
     return src, rows[:k].copy()
+
+
+@compiled
+def transit_choices(giver, r, b, order, reads, load, kv_bytes, ranks_per_node, world_size, one_entry):
+    """planner/relay.py ``_balancing_transit``'s choices, unsorted: int64 [m, 3] (block, r, t) rows for
+    the eligible groups (r, b) in ``order`` (per giver: latest first need first). Per node in ascending
+    order, its ranks by decreasing ``load`` (ties by rank) give their groups to the least-loaded rank of
+    the node that reads no tile of the block (ties by rank), while that leaves the taker's load below
+    the giver's; ``one_entry``: a block already entering the node through a transit rank reuses it.
+    ``load`` is not modified. The same comparisons of the same floats as the Python loop it replaces
+    (tests/test_relay.py keeps it and checks both agree), without a numpy call per group."""
+    nB, n_items = kv_bytes.size, order.size
+    load = load.copy()
+    num_nodes = (world_size + ranks_per_node - 1) // ranks_per_node
+    entry = np.full(num_nodes * nB, -1, dtype=np.int64)  # (node, block) -> its transit rank, or -1
+    out = np.empty((n_items, 3), dtype=np.int64)
+    node_of = np.empty(n_items, dtype=np.int64)
+    present = np.zeros(num_nodes, dtype=np.bool_)
+    for k in range(n_items):
+        node_of[k] = giver[order[k]] // ranks_per_node
+        present[node_of[k]] = True
+    mates = np.empty(ranks_per_node, dtype=np.int64)
+    m = 0
+    for n in range(num_nodes):
+        if not present[n]:
+            continue
+        lo, hi = n * ranks_per_node, min((n + 1) * ranks_per_node, world_size)
+        for j in range(hi - lo):  # (insertion sort of the node's few ranks, by load as the node starts)
+            x, k = lo + j, j
+            while k > 0 and load[mates[k - 1]] < load[x]:
+                mates[k] = mates[k - 1]
+                k -= 1
+            mates[k] = x
+        by_load = mates[:hi - lo].copy()
+        for g in by_load:
+            for k in range(n_items):
+                i = order[k]
+                if node_of[k] != n or giver[i] != g:
+                    continue
+                blk, w = b[i], kv_bytes[b[i]]
+                t = entry[n * nB + blk]
+                if t < 0:
+                    t = -1
+                    for x in range(lo, hi):  # the least-loaded rank of the node not reading blk
+                        if x != g and not reads[x * nB + blk] and (t < 0 or load[x] < load[t]):
+                            t = x
+                    if t < 0:
+                        continue
+                    if load[t] + w > load[g] - w:
+                        break  # the giver is no longer above the others
+                    load[t] += w
+                    if one_entry:
+                        entry[n * nB + blk] = t
+                load[g] -= w
+                out[m, 0], out[m, 1], out[m, 2] = blk, r[i], t
+                m += 1
+    return out[:m].copy()

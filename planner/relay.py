@@ -47,8 +47,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .comm_loops import transit_choices
 from .cost_model import CostModel
 from .finish import Finisher
+from .jit import read_only_int64
 from .placement import Placement, compact_stages, per_rank_and_stage, run_heads
 from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, InputGroups, as_relay_table,
                        payload_bytes, receive_groups, row_bytes, schedule_rows)
@@ -171,32 +173,13 @@ def _balancing_transit(giver: np.ndarray, r: np.ndarray, b: np.ndarray, first: n
     least-loaded rank of the node that computes no tile of the block, while that leaves the taker's load
     below the giver's. ``one_entry`` (receiver side): a block already entering the node through a
     transit rank reuses it at no further cost; on the home's side every forward is a send of its own.
-    ``reads`` [P * nB] marks the (rank, block) pairs with tiles; ``load`` [P] is not modified."""
-    nB = kv_bytes.size
-    load = np.asarray(load, dtype=np.float64).copy()
-    out, entry = [], {}  # entry: (node, block) -> the transit rank receiving it
-    node = giver // ranks_per_node
+    ``reads`` [P * nB] marks the (rank, block) pairs with tiles; ``load`` [P] is not modified. Compiled
+    (planner/comm_loops.py ``transit_choices``): its Python loop, a few numpy calls per group, was ~7%
+    of a 1M / 64 plan."""
     order = np.lexsort((b, -first, giver))  # per giver: latest first need first
-    for n in np.unique(node).tolist():
-        mates = np.arange(n * ranks_per_node, min((n + 1) * ranks_per_node, world_size))
-        mine = order[node[order] == n]
-        for g in sorted(mates.tolist(), key=lambda x: (-load[x], x)):
-            for i in mine[giver[mine] == g].tolist():
-                blk, w = int(b[i]), float(kv_bytes[b[i]])
-                t = entry.get((n, blk))
-                if t is None:
-                    free = mates[(mates != g) & ~reads[mates * nB + blk]]
-                    if free.size == 0:
-                        continue
-                    t = int(free[np.lexsort((free, load[free]))[0]])
-                    if load[t] + w > load[g] - w:
-                        break  # the giver is no longer above the others
-                    load[t] += w
-                    if one_entry:
-                        entry[(n, blk)] = t
-                load[g] -= w
-                out.append((blk, int(r[i]), t))
-    rows = np.array(out, dtype=np.int64).reshape(-1, 3)
+    rows = transit_choices(*map(read_only_int64, (giver, r, b, order)), np.ascontiguousarray(reads, dtype=bool),
+                           np.array(load, dtype=np.float64), np.array(kv_bytes, dtype=np.float64),
+                           int(ranks_per_node), int(world_size), bool(one_entry))
     return rows[np.lexsort((rows[:, 1], rows[:, 0]))]
 
 

@@ -661,3 +661,59 @@ def test_transit_relays_in_passes_until_one_gains_nothing():
     replay(plan)
     stats = plan.stats()
     assert stats["sim_time_fwd"] + stats["sim_time_bwd"] == pytest.approx(passes.sim_time, rel=1e-9)
+
+
+def _balancing_transit_python(giver, r, b, first, reads, load, kv_bytes, *, ranks_per_node, world_size, one_entry):
+    """planner/relay.py ``_balancing_transit`` as the Python loop it was before it was compiled."""
+    nB = kv_bytes.size
+    load = np.asarray(load, dtype=np.float64).copy()
+    out, entry = [], {}  # entry: (node, block) -> the transit rank receiving it
+    node = giver // ranks_per_node
+    order = np.lexsort((b, -first, giver))  # per giver: latest first need first
+    for n in np.unique(node).tolist():
+        mates = np.arange(n * ranks_per_node, min((n + 1) * ranks_per_node, world_size))
+        mine = order[node[order] == n]
+        for g in sorted(mates.tolist(), key=lambda x: (-load[x], x)):
+            for i in mine[giver[mine] == g].tolist():
+                blk, w = int(b[i]), float(kv_bytes[b[i]])
+                t = entry.get((n, blk))
+                if t is None:
+                    free = mates[(mates != g) & ~reads[mates * nB + blk]]
+                    if free.size == 0:
+                        continue
+                    t = int(free[np.lexsort((free, load[free]))[0]])
+                    if load[t] + w > load[g] - w:
+                        break  # the giver is no longer above the others
+                    load[t] += w
+                    if one_entry:
+                        entry[(n, blk)] = t
+                load[g] -= w
+                out.append((blk, int(r[i]), t))
+    rows = np.array(out, dtype=np.int64).reshape(-1, 3)
+    return rows[np.lexsort((rows[:, 1], rows[:, 0]))]
+
+
+@settings(max_examples=120, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), world_size=st.integers(1, 13), ranks_per_node=st.integers(1, 5),
+       num_blocks=st.integers(1, 12), num_groups=st.integers(0, 60), one_entry=st.booleans(),
+       ties=st.booleans())
+def test_balancing_transit_is_its_python_loop(seed, world_size, ranks_per_node, num_blocks, num_groups, one_entry,
+                                              ties):
+    """planner/relay.py ``_balancing_transit`` (compiled: comm_loops.transit_choices) gives the rows of the
+    Python loop it replaced, on random groups, NIC loads (``ties``: whole numbers, many equal) and blocks
+    read by random ranks."""
+    from blockattn.planner.relay import _balancing_transit
+
+    rng = np.random.default_rng(seed)
+    giver = rng.integers(0, world_size, num_groups)
+    r = rng.integers(0, world_size, num_groups)
+    b = rng.integers(0, num_blocks, num_groups)
+    first = rng.integers(2, 6, num_groups)
+    reads = rng.random(world_size * num_blocks) < 0.3
+    load = (rng.integers(0, 4, world_size) * 1e6) if ties else rng.exponential(5e6, world_size)
+    kv_bytes = (rng.integers(1, 3, num_blocks) * 1e6) if ties else rng.exponential(1e6, num_blocks)
+    kw = dict(ranks_per_node=ranks_per_node, world_size=world_size, one_entry=one_entry)
+    before = load.copy()
+    got = _balancing_transit(giver, r, b, first, reads, load, kv_bytes, **kw)
+    want = _balancing_transit_python(giver, r, b, first, reads, load, kv_bytes, **kw)
+    assert np.array_equal(got, want) and np.array_equal(load, before)
