@@ -349,6 +349,7 @@ class RelayScorer:
         self.local_work = LocalWork(np.flatnonzero(~self.remote_q & ~self.remote_kv), rank, self.compute_bwd_time,
                                     world_size)
         self._bwd_cache = {}
+        self._bwd_sums = {}  # (num_stages, "bwd" / "fwd") -> ``_backward_sums``
         if bwd_choice is not None and bwd_choice.fits(tiles, home, rank, num_stages):
             # (the placement's own finish chose it from the same inputs: ``_backward`` would again)
             self._bwd_cache[num_stages] = (bwd_choice.stage_bwd, bwd_choice.groups)
@@ -392,6 +393,19 @@ class RelayScorer:
             self._bwd_cache[num_stages] = (stage_bwd, stage_groups)
         return self._bwd_cache[num_stages]
 
+    def _backward_sums(self, num_stages: int, seconds: str) -> np.ndarray:
+        """The per-(rank, stage) sums of ``_backward``'s stages in backward (``seconds="bwd"``) or forward
+        seconds: the same for every variant with this stage count (before its local tiles are spread),
+        where each variant summed them again (~250 sums of every tile in a 1M / 64 plan)."""
+        key = (num_stages, seconds)
+        if key not in self._bwd_sums:
+            stage_bwd = self._backward(num_stages)[0]
+            weights = self.compute_bwd_time if seconds == "bwd" else self.compute_time
+            sums = per_rank_and_stage(self.rank, stage_bwd, weights, self.P, num_stages)
+            sums.setflags(write=False)  # (shared by the variants)
+            self._bwd_sums[key] = sums
+        return self._bwd_sums[key]
+
     def _score(self, q_groups, kv_groups, relay, compute: np.ndarray, num_stages: int):
         """(fwd + bwd time, fwd per rank, bwd per rank, backward stages, rows) of a variant's groups."""
         stage_bwd, bwd_groups = self._backward(num_stages)
@@ -399,9 +413,12 @@ class RelayScorer:
                              kv_relay=relay, bwd_groups=bwd_groups)
         comm = [self.cm.table_comm_time(table, self.block_len, self.P, num_stages, **self.sizes)
                 for table in rows]
-        stage_bwd = spread_backward_local(stage_bwd, self.compute_bwd_time, self.rank, self.local_work, comm[1],
-                                          world_size=self.P, num_stages=num_stages)
-        compute_bwd = per_rank_and_stage(self.rank, stage_bwd, self.compute_time, self.P, num_stages)
+        spread = spread_backward_local(stage_bwd, self.compute_bwd_time, self.rank, self.local_work, comm[1],
+                                       world_size=self.P, num_stages=num_stages,
+                                       per_stage=self._backward_sums(num_stages, "bwd"))
+        compute_bwd = (self._backward_sums(num_stages, "fwd") if spread is stage_bwd
+                       else per_rank_and_stage(self.rank, spread, self.compute_time, self.P, num_stages))
+        stage_bwd = spread
         fwd, bwd = self.cm.step_times(compute, *comm, compute_bwd)
         return float(fwd.max() + bwd.max()), fwd, bwd, stage_bwd, rows
 

@@ -195,16 +195,19 @@ class BackwardChoice(NamedTuple):
 
 
 def _spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarray, local: LocalWork,
-                           comm_time: np.ndarray, *, world_size: int, num_stages: int) -> tuple:
+                           comm_time: np.ndarray, *, world_size: int, num_stages: int,
+                           per_stage: np.ndarray | None = None) -> tuple:
     """Move purely local tiles (no transfer) from their backward stage (``backward_stages``) into the
     stages whose next transfers (``comm_time`` [P, S + 1], backward) would otherwise be exposed:
     partials arriving at a home, dO leaving it. ``compute``: per-tile backward seconds. Each rank
     keeps in the local stage what hides its own next transfers and fills the gaps of the other
     stages in order; the schedule is unchanged (local tiles move nothing). ``local``: the LocalWork of
     the purely local tiles in tile order under ``compute``, all still in their class-rule stage. Also
-    returns the compute per rank and stage of ``stage`` (``backward_time`` reuses it where no tile moves)."""
+    returns the compute per rank and stage of ``stage`` (``backward_time`` reuses it where no tile moves);
+    ``per_stage``: those sums, where the caller has them."""
     S, P = num_stages, world_size
-    per_stage = per_rank_and_stage(rank, stage, compute, P, S)
+    if per_stage is None:
+        per_stage = per_rank_and_stage(rank, stage, compute, P, S)
     if S < 2:
         return stage, per_stage
     home_stage = min(2, S - 1)
@@ -215,10 +218,11 @@ def _spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndar
 
 
 def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarray, local: LocalWork,
-                          comm_time: np.ndarray, *, world_size: int, num_stages: int) -> np.ndarray:
+                          comm_time: np.ndarray, *, world_size: int, num_stages: int,
+                          per_stage: np.ndarray | None = None) -> np.ndarray:
     """``_spread_backward_local``'s stages alone."""
     return _spread_backward_local(stage, compute, rank, local, comm_time, world_size=world_size,
-                                  num_stages=num_stages)[0]
+                                  num_stages=num_stages, per_stage=per_stage)[0]
 
 
 def backward_time(stage_bwd: np.ndarray, compute_bwd: np.ndarray, rank: np.ndarray, local: LocalWork,
