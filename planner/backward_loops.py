@@ -42,8 +42,8 @@ def stage0_kv_groups(stage, kv, rank, home, compute, ranks, ranks_per_node):
     the rank's node), as (tile indices ascending, each one's group, each group's rank, each group's
     seconds summed in tile order), groups by rank, latest kv-block first; no tiles where none is.
     Each eligible tile's group key is kept beside it, so the grouping reads the sorted keys instead of
-    gathering every tile's rank and block again in sorted (random) order: ~2x faster on a 1M / 64 plan's
-    137K eligible tiles, where this runs ~130 times a plan."""
+    gathering every tile's rank and block again in sorted (random) order: ~20% faster on a 1M / 64
+    plan's 137K eligible tiles (3.8 -> 3.0 ms a call, ~70 calls a plan)."""
     n, P, nB = stage.size, ranks.size, home.size
     # (each rank's and each block's home's node, 0 for all without ranks_per_node: a gather per tile
     # instead of two divisions)
