@@ -97,14 +97,22 @@ def rows_in_wire_order(table):
 
 
 @compiled
-def find_sorted(keys, key):
-    """The position of ``key`` in the ascending ``keys``, or -1 (a binary search in a loop: numba's
-    ``np.searchsorted`` compiles in seconds)."""
-    lo, hi = 0, keys.size
+def bisect(keys, key, lo, right):
+    """``lo + np.searchsorted(keys[lo:], key, "right" if right else "left")`` for the ascending ``keys``:
+    the first position from ``lo`` on whose value exceeds ``key`` (``right``) or reaches it (a binary
+    search in a loop: numba's ``np.searchsorted`` compiles in seconds)."""
+    hi = keys.size
     while lo < hi:
         mid = (lo + hi) // 2
-        if keys[mid] < key:
+        if keys[mid] < key or (right and keys[mid] == key):
             lo = mid + 1
         else:
             hi = mid
+    return lo
+
+
+@compiled
+def find_sorted(keys, key):
+    """The position of ``key`` in the ascending ``keys``, or -1."""
+    lo = bisect(keys, key, 0, False)
     return lo if lo < keys.size and keys[lo] == key else -1

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from .jit import compiled
-from .sort_loops import counting_order
+from .sort_loops import bisect, counting_order
 
 
 @compiled
@@ -264,26 +264,13 @@ def pour(stage, order, ranks, end, total, gaps, movable, fill):
             while i < F and flat[r * F + i] < target:
                 i += 1
             if i == F:
-                j = _after_run(ranks, j, r)
+                j = bisect(ranks, r, j + 1, True)  # (the next rank's first tile)
                 break
             if out is stage:
                 out = stage.copy()
             out[order[j]] = fill[i]
             j += 1
     return out
-
-
-@compiled
-def _after_run(keys, j, key):
-    """The first position after ``j`` whose value exceeds ``key``, in the ascending ``keys``."""
-    lo, hi = j + 1, keys.size
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if keys[mid] <= key:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 @compiled

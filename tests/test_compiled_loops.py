@@ -407,3 +407,19 @@ def test_deferral_orders_share_one_group_search(seed, num_blocks, world_size, nu
     for largest_first, got in zip((False, True), both):
         want = defer_backward_groups(*args, largest_first=largest_first, into_last=into_last, ranks_per_node=per_node)
         assert np.array_equal(got, want) and ((got is stage) == (want is stage))
+
+
+@settings(max_examples=80, deadline=None)
+@given(keys=st.lists(st.integers(0, 20), max_size=40), key=st.integers(-1, 21), lo=st.integers(0, 40),
+       right=st.booleans())
+def test_bisect_and_find_sorted_are_numpys_searchsorted(keys, key, lo, right):
+    """planner/sort_loops.py ``bisect`` (pour's jump to the next rank) and ``find_sorted`` (the relay loops'
+    lookups) against np.searchsorted on sorted keys with repeats."""
+    from blockattn.planner.sort_loops import bisect, find_sorted
+
+    keys = np.sort(np.array(keys, dtype=np.int64))
+    lo = min(lo, keys.size)
+    side = "right" if right else "left"
+    assert bisect(keys, key, lo, right) == lo + np.searchsorted(keys[lo:], key, side)
+    at = np.searchsorted(keys, key)
+    assert find_sorted(keys, key) == (at if at < keys.size and keys[at] == key else -1)
