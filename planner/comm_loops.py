@@ -245,9 +245,8 @@ def transit_choices(giver, r, b, order, reads, load, kv_bytes, ranks_per_node, w
                 if node_of[k] != n or giver[i] != g:
                     continue
                 blk, w = b[i], kv_bytes[b[i]]
-                t = entry[n * nB + blk]
+                t = entry[n * nB + blk]  # (-1: none yet)
                 if t < 0:
-                    t = -1
                     for x in range(lo, hi):  # the least-loaded rank of the node not reading blk
                         if x != g and not reads[x * nB + blk] and (t < 0 or load[x] < load[t]):
                             t = x
