@@ -32,12 +32,27 @@ def _merged(block, factor, shift):
 
 
 @compiled
+def _real_row_end(q, kv, start):
+    """(end, contiguous) of the real row whose first tile is ``start``: one past its last tile, and whether
+    its columns are one run kv[start], kv[start] + 1, ... (a document's row is; a sink's or a shared
+    question's may not be). q is sorted, so the end is found in strides of 16 tiles, then tile by tile."""
+    n, row = q.size, q[start]
+    end = start + 1
+    while end + 16 <= n and q[end + 15] == row:
+        end += 16
+    while end < n and q[end] == row:
+        end += 1
+    return end, kv[end - 1] - kv[start] == end - 1 - start
+
+
+@compiled
 def merge_tiles(q, kv, full, pairs, factor, shift, num_blocks):
     """The tiles of blocks merged ``factor`` at a time, from (q, kv)-sorted real tiles: (merged q, merged
     kv, each merged tile's real-tile pairs summed, its count of full real tiles, each real tile's merged
-    tile), merged tiles sorted by (q, kv). A merged row is one run of real tiles; its merged columns are
-    found on a presence table over the row's span only (sized like the mask's band, not nB ** 2).
-    ``shift``: log2(factor) where it is a power of two, else -1."""
+    tile), merged tiles sorted by (q, kv). A merged row's columns are marked on a presence table over its
+    span only (sized like the mask's band, not nB ** 2), a real row's columns by their range where they
+    are one run (a store per merged column instead of a test per tile: 0.69 -> 0.39 ms on 164K tiles
+    merged 4x). ``shift``: log2(factor) where it is a power of two, else -1."""
     n = q.size
     num_merged_blocks = (num_blocks + factor - 1) // factor
     merged_q = np.empty(n, dtype=np.int64)
@@ -52,40 +67,41 @@ def merge_tiles(q, kv, full, pairs, factor, shift, num_blocks):
     begin = 0
     while begin < n:
         row = _merged(q[begin], factor, shift)
-        # the merged row's real rows, each sorted by kv: a column is marked once per run of it, and a
-        # real row's first and last tiles give its span
         end, lo, hi = begin, num_merged_blocks, -1
         while end < n and _merged(q[end], factor, shift) == row:
-            real_row, start, col = q[end], end, -1
-            while end < n and q[end] == real_row:
-                column = _merged(kv[end], factor, shift)
-                if column != col:
-                    seen_in_row[column] = row
-                    col = column
-                end += 1
-            lo, hi = min(lo, _merged(kv[start], factor, shift)), max(hi, col)
+            start = end
+            end, contiguous = _real_row_end(q, kv, start)
+            first, last = _merged(kv[start], factor, shift), _merged(kv[end - 1], factor, shift)
+            if contiguous:
+                for col in range(first, last + 1):
+                    seen_in_row[col] = row
+            else:
+                for i in range(start, end):
+                    seen_in_row[_merged(kv[i], factor, shift)] = row
+            lo, hi = min(lo, first), max(hi, last)
         for col in range(lo, hi + 1):
             if seen_in_row[col] == row:
                 merged_q[m], merged_kv[m], index[col] = row, col, m
                 merged_pairs[m], merged_full[m] = 0, 0
                 m += 1
-        # a real row's consecutive tiles mostly share a merged tile: sum them in registers (a sum into
-        # the same array cell as the tile before waits for that store, ~3x slower)
-        col, tile, run_pairs, run_full = -1, -1, 0, 0
         for i in range(begin, end):
-            column = _merged(kv[i], factor, shift)
-            if column != col:
-                if tile >= 0:
-                    merged_pairs[tile] += run_pairs
-                    merged_full[tile] += run_full
-                col, tile, run_pairs, run_full = column, index[column], 0, 0
-            of_real[i] = tile
-            run_pairs += pairs[i]
-            run_full += full[i]
-        if tile >= 0:
-            merged_pairs[tile] += run_pairs
-            merged_full[tile] += run_full
+            of_real[i] = index[_merged(kv[i], factor, shift)]
         begin = end
+    # consecutive real tiles mostly share a merged tile: sum them in registers (a sum into the same
+    # array cell as the tile before waits for that store, ~3x slower), in a pass of its own (~2x faster
+    # than within the one above)
+    tile, run_pairs, run_full = -1, 0, 0
+    for i in range(n):
+        if of_real[i] != tile:
+            if tile >= 0:
+                merged_pairs[tile] += run_pairs
+                merged_full[tile] += run_full
+            tile, run_pairs, run_full = of_real[i], 0, 0
+        run_pairs += pairs[i]
+        run_full += full[i]
+    if tile >= 0:
+        merged_pairs[tile] += run_pairs
+        merged_full[tile] += run_full
     # (copies: the merged TileSet is cached with its batch, and holds m of the n entries)
     return merged_q[:m].copy(), merged_kv[:m].copy(), merged_pairs[:m].copy(), merged_full[:m].copy(), of_real
 
