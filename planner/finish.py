@@ -58,7 +58,7 @@ class Finisher:
         self.compute_bwd = self.compute * cost_model.bwd_flops_factor
         self._fwd_groups = None
         self._input_groups = None  # InputGroups of these ranks, once a staging needs its groups
-        self._plain_bwd = {}  # num_stages -> (class-rule backward stages, their receive groups)
+        self._plain_bwd = {}  # min(num_stages, 3) -> (class-rule backward stages, their receive groups)
         self._local_work = None
         self._own_movable = None  # (``_own_row_movable``)
         self._kv_sides = {}  # relay table (bytes) -> relayed_kv_side of the forward groups
@@ -95,10 +95,13 @@ class Finisher:
         return self._kv_sides[key]
 
     def _plain_backward(self, num_stages: int) -> tuple:
-        if num_stages not in self._plain_bwd:
+        # (the class rule's three stages all fit from 3 stages on: the same stages and groups for any
+        # more, as when the forward spread opens one more stage)
+        key = min(num_stages, 3)
+        if key not in self._plain_bwd:
             stage_bwd = backward_stages(self.tiles.q, self.tiles.kv, self.rank, self.home, num_stages)
-            self._plain_bwd[num_stages] = (stage_bwd, self._groups(stage_bwd))
-        return self._plain_bwd[num_stages]
+            self._plain_bwd[key] = (stage_bwd, self._groups(stage_bwd))
+        return self._plain_bwd[key]
 
     def _schedule(self, kv_relay, num_stages: int, stage_bwd: np.ndarray | None = None):
         """(backward stages, CommSchedule, the backward's receive groups); ``stage_bwd`` None: the

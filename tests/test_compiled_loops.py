@@ -77,6 +77,9 @@ def test_backward_class_rule(seed, num_blocks, world_size, num_tiles, num_stages
     expected = np.where(home[q] != rank, min(1, last), np.where(home[kv] != rank, 0, min(2, last)))
     got = backward_stages(q, kv, rank, home, num_stages)
     assert got.dtype == np.int64 and np.array_equal(got, expected)
+    # (planner/finish.py keeps one class-rule staging for every stage count from 3 on)
+    if num_stages >= 3:
+        assert np.array_equal(backward_stages(q, kv, rank, home, num_stages + 4), got)
 
 
 @settings(max_examples=60, deadline=None)
