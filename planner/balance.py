@@ -62,6 +62,8 @@ weighs it in a pass of its own (planner/passes.py LEVEL_PASS).
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from . import balance_moves as moves
@@ -76,6 +78,8 @@ MAX_ROUNDS = 3
 MAX_FAILED_HOMES = 3  # kv-homes tried in a row without a move before a donor gives up on rows (a later home
 # rarely succeeds: 21 of ~3000 such tries over the benchmark cases)
 MAX_MOVE_TILES = 4096  # longest prefix evaluated per move (a donor may move again later)
+
+_payloads_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # TileSet -> {sizes: _block_payloads}
 
 
 class Balancer:
@@ -95,15 +99,9 @@ class Balancer:
         self.overlap = float(overlap)
         self.duplex = bool(duplex)
         self.level_nodes = bool(level_nodes) and self.multi_node
-        lens = tiles.block_lengths()
-        sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
-                     grad_element_size=grad_element_size)
-        self.q_bytes = payload_bytes(KIND_Q, lens, **sizes).astype(np.float64)
-        self.kv_bytes = payload_bytes(KIND_KV, lens, **sizes).astype(np.float64)
-        self.out_bytes = payload_bytes(KIND_OUT, lens, **sizes).astype(np.float64)
+        self.q_bytes, self.kv_bytes, self.out_bytes, self._row_over_column = _block_payloads(
+            tiles, (num_q_heads, num_kv_heads, head_dim, element_size, grad_element_size))
         self._mean_tile = compute.mean() if compute.size else 0.0
-        # a rectangle's q-row moves Q and OUT, its kv-column KV: their ratio sets the rectangle's shape
-        self._row_over_column = ((self.q_bytes.max() + self.out_bytes.max()) / self.kv_bytes.max()) if nB else 1.0
 
         home = np.ascontiguousarray(home, dtype=np.int64)
         self.rank = np.array(home[tiles.q] if start is None else start, dtype=np.int64)  # (a copy)
@@ -174,6 +172,22 @@ def balanced_ranks(tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_
     if _nothing_to_shed(loads[0], loads[2], compute.size):
         return rank.copy()
     return Balancer(tiles, home, compute, world_size, topology, start=rank, loads=loads, **balancer_args).run()
+
+
+def _block_payloads(tiles: TileSet, sizes: tuple) -> tuple:
+    """(Q, KV, OUT bytes of every block as float64 [nB], the largest Q + OUT over the largest KV) for
+    ``sizes`` = (num_q_heads, num_kv_heads, head_dim, element_size, grad_element_size), once per TileSet
+    and sizes: a plan balances several starts of the same tiles. The arrays are shared by those
+    Balancers, which only read them (writable all the same: the compiled moves take one array type)."""
+    per_sizes = _payloads_cache.setdefault(tiles, {})
+    if sizes not in per_sizes:
+        lens = tiles.block_lengths()
+        named = dict(zip(("num_q_heads", "num_kv_heads", "head_dim", "element_size", "grad_element_size"), sizes))
+        q, kv, out = (payload_bytes(kind, lens, **named).astype(np.float64) for kind in (KIND_Q, KIND_KV, KIND_OUT))
+        # a rectangle's q-row moves Q and OUT, its kv-column KV: their ratio sets the rectangle's shape
+        row_over_column = float((q.max() + out.max()) / kv.max()) if tiles.num_blocks else 1.0
+        per_sizes[sizes] = (q, kv, out, row_over_column)
+    return per_sizes[sizes]
 
 
 def _load_and_cap(rank: np.ndarray, compute: np.ndarray, world_size: int) -> tuple:

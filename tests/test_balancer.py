@@ -280,3 +280,21 @@ def test_balancer_bookkeeping_holds_every_input_and_conserves_bytes(lens, world_
     assert balancer.has_out[rank[off_home], tiles.q[off_home]].all()
     np.testing.assert_array_equal(balancer.send.sum(axis=0), balancer.recv.sum(axis=0))
     np.testing.assert_allclose(balancer.C, np.bincount(rank, weights=compute, minlength=world_size), rtol=1e-9)
+
+
+def test_block_payloads_are_each_blocks_bytes_once_per_tile_set_and_sizes():
+    """The Balancers of one plan's starts share their blocks' Q / KV / OUT bytes (``_block_payloads``):
+    the payload sizes of each block (the last one short), kept per TileSet and sizes."""
+    from blockattn.planner.balance import _block_payloads
+    from blockattn.planner.schedule import KIND_OUT, KIND_Q
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.causal(1000).block_mask(64))
+    key = tuple(SIZES[k] for k in ("num_q_heads", "num_kv_heads", "head_dim", "element_size", "grad_element_size"))
+    q, kv, out, row_over_column = _block_payloads(tiles, key)
+    lens = tiles.block_lengths()
+    for kind, got in ((KIND_Q, q), (KIND_KV, kv), (KIND_OUT, out)):
+        assert got.dtype == np.float64 and np.array_equal(got, payload_bytes(kind, lens, **SIZES))
+    assert lens[-1] == 1000 - 15 * 64 and row_over_column == (q.max() + out.max()) / kv.max()
+    assert _block_payloads(tiles, key)[0] is q
+    assert not np.array_equal(_block_payloads(tiles, key[:3] + (4, 4))[0], q)
