@@ -31,6 +31,7 @@ import numpy as np
 
 from .comm_loops import exchange_times
 from .schedule import KIND_DO, KIND_KV, KIND_NAMES, KIND_Q, bytes_per_token
+from .spread_loops import overlapped_times
 
 # Q, KV, DO travel one exchange before their stage; by kind (a lookup: np.isin per call costs more
 # than the rest of stage_comm_time)
@@ -142,5 +143,8 @@ class CostModel:
     @staticmethod
     def overlapped_time(compute: np.ndarray, comm: np.ndarray) -> np.ndarray:
         """Per-rank time [P] from compute [P, S] and comm [P, S + 1] per exchange: exchange j < S
-        overlaps stage j's compute, exchange S (the last stage's partials) follows it."""
-        return np.maximum(compute, comm[:, :-1]).sum(axis=1) + comm[:, -1]
+        overlaps stage j's compute, exchange S (the last stage's partials) follows it (compiled:
+        planner/spread_loops.py ``overlapped_times``, the floats of ``np.maximum(compute, comm[:, :-1])
+        .sum(axis=1) + comm[:, -1]``)."""
+        return overlapped_times(np.ascontiguousarray(compute, dtype=np.float64),
+                                np.ascontiguousarray(comm, dtype=np.float64))

@@ -13,7 +13,7 @@ stage of its last-arriving item.
 
 Tiles that move no transfer (purely local tiles, and tiles of a rank's own rows whose KV arrives for
 an earlier tile anyway) are then spread into the stages whose exchanges would be exposed
-(``spread_local_tiles``, ``spread_own_rows``; ``_pour`` is shared with the backward's spread). The
+(``spread_local_tiles``, ``spread_own_rows``; compiled, with the backward's, in planner/spread_loops.py). The
 backward's staging is planner/stages_bwd.py; a placement finished and scored, planner/finish.py.
 """
 
@@ -25,10 +25,11 @@ import numpy as np
 
 from . import group_loops
 from .cost_model import CostModel
-from .placement import first_occurrence, per_rank_and_stage, weighted_bincount
+from .placement import first_occurrence, weighted_bincount
 from .schedule import KIND_KV, KIND_Q, payload_bytes
 from .stage_cuts import max_over_items, remote_items, stage_items
-from .tile_loops import group_by_rank, grouped_running_sums, pour
+from .spread_loops import local_tiles_spread, own_rows_spread
+from .tile_loops import group_by_rank, grouped_running_sums, stage_loads
 
 
 def assign_stages(q: np.ndarray, kv: np.ndarray, flops: np.ndarray, rank: np.ndarray, home: np.ndarray, *,
@@ -144,19 +145,10 @@ def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, i
     S = num_stages
     if S < 2:
         return stage
-    seconds = flops / fwd_rate
-    # (a column for stage S too: spread_own_rows may already have opened it)
-    compute = per_rank_and_stage(rank, stage, seconds, world_size, S + 1)
-    last = S if extra_stage else S - 1
-    gaps = np.maximum(0.0, comm_time[:, 1:last + 1] - compute[:, 1:last + 1])  # stage s overlaps exchange s
-    if not gaps.any():
-        return stage  # (as _pour would: nothing exposed to fill)
-    local0 = is_local & (stage == 0)
-    movable = weighted_bincount(rank[local0], seconds[local0], world_size) - comm_time[:, 0]
-    # the last local tiles of a rank leave stage 0 first, into the latest gap first
-    fill = np.arange(last, 0, -1)
-    return _pour(stage, LocalWork(np.flatnonzero(local0)[::-1], rank, seconds, world_size), gaps[:, fill - 1],
-                 movable, fill)
+    rank, stage = (np.ascontiguousarray(x, dtype=np.int64) for x in (rank, stage))
+    return local_tiles_spread(stage, np.ascontiguousarray(flops / fwd_rate, dtype=np.float64), rank,
+                              np.ascontiguousarray(is_local, dtype=bool), np.ascontiguousarray(comm_time, dtype=np.float64),
+                              int(world_size), S, S if extra_stage else S - 1)  # (compiled: planner/spread_loops.py)
 
 
 def own_row_movable(q: np.ndarray, kv: np.ndarray, stage: np.ndarray, rank: np.ndarray, home: np.ndarray) -> np.ndarray:
@@ -189,29 +181,15 @@ def spread_own_rows(stage: np.ndarray, seconds: np.ndarray, rank: np.ndarray, mo
     if S < 2:
         return stage
     width = S + 1 if extra_stage else S
-    ranks = np.arange(P)
-    per = movable = None  # per-rank compute per stage (recounted only after a pour), the mask on first need
-    # from the latest stage down: a stage's surplus over its own exchange goes to the exposed gaps of the
-    # stages after it, earliest first
-    for source in range(S - 1, 0, -1):
-        if per is None:
-            per = per_rank_and_stage(rank, stage, seconds, P, width)
-        gaps = np.maximum(0.0, comm_time[:, :width] - per)
-        gaps[:, : source + 1] = 0.0
-        if not gaps.any():
-            continue
-        if movable is None:
-            movable = movable_of()
-        cand = np.flatnonzero(movable & (stage == source))[::-1]
-        if cand.size == 0:
-            continue
-        surplus = per[ranks, source] - comm_time[ranks, source]
-        fill = np.arange(source + 1, width)
-        poured = _pour(stage, LocalWork(cand, rank, seconds, world_size), gaps[:, fill], surplus, fill)
-        if poured is not stage:
-            stage, per = poured, None
-    return stage
-
+    rank, stage = (np.ascontiguousarray(x, dtype=np.int64) for x in (rank, stage))
+    seconds, comm_time = (np.ascontiguousarray(x, dtype=np.float64) for x in (seconds, comm_time))
+    per = stage_loads(rank, stage, seconds, P, width)
+    # (the first pour needs an exposed gap after stage 1; without one nothing moves and the movable
+    # tiles are not needed)
+    if not (comm_time[:, 2:width] > per[:, 2:width]).any():
+        return stage
+    movable = np.ascontiguousarray(movable_of(), dtype=bool)
+    return own_rows_spread(stage, seconds, rank, movable, comm_time, per, P, S, width)  # (planner/spread_loops.py)
 
 
 class LocalWork:
@@ -232,17 +210,3 @@ class LocalWork:
         its rank's list in seconds)."""
         return group_by_rank(np.ascontiguousarray(self.tiles, dtype=np.int64), self._rank_of, self._seconds,
                              self._world_size)
-
-
-def _pour(stage: np.ndarray, local: LocalWork, gaps: np.ndarray, movable: np.ndarray, fill: np.ndarray) -> np.ndarray:
-    """Move local tiles into transfer gaps: per rank, ``local``'s tiles (in the order they leave)
-    fill the gaps ``gaps[r, i]`` of stages ``fill[i]`` in turn, up to ``movable[r]`` seconds in all;
-    a tile goes to the gap its cumulative end position falls into (else it stays). Shared by the
-    forward and backward spreads (a local tile moves no transfer). Compiled (planner/tile_loops.py
-    ``pour``); ``stage`` itself where no tile moves."""
-    P, F = gaps.shape
-    if local.tiles.size == 0 or F == 0 or not gaps.any() or not (movable > 0).any():
-        return stage
-    order, ranks, end = local.grouped
-    return pour(stage, order, ranks, end, local.total, np.ascontiguousarray(gaps, dtype=np.float64),
-                np.asarray(movable, dtype=np.float64), np.asarray(fill, dtype=np.int64))

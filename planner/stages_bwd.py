@@ -7,7 +7,7 @@ q-blocks travel home -> rank, and dQ / dK / dV partials rank -> home. ``backward
 class rule (tiles sending a dK/dV partial first, tiles waiting for dO next, purely local tiles last);
 ``split_backward_stages`` and ``defer_backward_groups`` move whole (rank, kv-block) groups of stage-0
 tiles into the stages whose exchanges the rule leaves exposed; ``spread_backward_local`` pours purely
-local tiles into the remaining gaps (planner/stages.py ``_pour``, shared with the forward spreads).
+local tiles into the remaining gaps (compiled, with the forward's spreads: planner/spread_loops.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import numpy as np
 from .backward_loops import class_rule_stages, split_stage0_groups, stage0_kv_groups
 from .cost_model import CostModel
 from .placement import per_rank_and_stage
-from .stages import LocalWork, _grouped_cumsum, _pour
+from .spread_loops import backward_gaps
+from .stages import LocalWork, _grouped_cumsum
+from .tile_loops import pour
 
 # ``defer_backward_groups``: the share of each exposed backward gap a rank's deferred groups fill, and
 # the rounds tried per phase (each kept only where faster). Over the 57 multi-node evaluation cases
@@ -210,11 +212,14 @@ def _spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndar
         per_stage = per_rank_and_stage(rank, stage, compute, P, S)
     if S < 2:
         return stage, per_stage
-    home_stage = min(2, S - 1)
-    gaps = np.maximum(0.0, comm_time[:, :S] - per_stage)  # stage s overlaps exchange s
-    movable = np.minimum(per_stage[:, home_stage] - comm_time[:, home_stage], local.total)
-    fill = np.array([s for s in range(S) if s != home_stage], dtype=np.int64)  # earliest gap first
-    return _pour(stage, local, gaps[:, fill], movable, fill), per_stage
+    # (compiled: planner/spread_loops.py; the grouping of the local tiles is kept by ``local``)
+    gaps, movable, fill, exposed = backward_gaps(per_stage, np.ascontiguousarray(comm_time, dtype=np.float64),
+                                                 np.asarray(local.total, dtype=np.float64))
+    if not exposed or local.tiles.size == 0:
+        return stage, per_stage
+    order, ranks, end = local.grouped
+    return pour(np.ascontiguousarray(stage, dtype=np.int64), order, ranks, end, local.total, gaps, movable,
+                fill)[0], per_stage
 
 
 def spread_backward_local(stage: np.ndarray, compute: np.ndarray, rank: np.ndarray, local: LocalWork,

@@ -9,7 +9,7 @@ merged blocks, and then every real tile is visited to merge it, to map the merge
 back to real blocks and to count bytes; in numpy those passes took ~3 of its ~10 ms (about a dozen
 passes over the tiles, each writing a temporary as large). One loop each does the same work in one or
 two passes. The results are the same arrays (integer sums), so the plans do not change. Also here:
-``compact_stages``' renumbering, the spreads' grouping by rank and pour (planner/stages.py), and the
+``compact_stages``' renumbering, the spreads' grouping by rank and pour (planner/spread_loops.py), and the
 per-(rank, stage) and weighted sums over tiles that finishing a placement takes a dozen times
 (``stage_loads``, ``key_sums``), same floats as their numpy forms, and the counts behind the fcp
 segments (``boundary_crossings``, ``reads_from_afar``, ``segment_crossings``). Where a loop would store
@@ -247,15 +247,15 @@ def grouped_running_sums(keys, values):
 
 @compiled
 def pour(stage, order, ranks, end, total, gaps, movable, fill):
-    """planner/stages.py ``_pour``: per rank, its local tiles (``order``, with ``ranks`` and ``end``) fill
-    the gaps ``gaps[r, i]`` of stages ``fill[i]`` in turn, up to ``movable[r]`` seconds in all; a tile
-    goes to the first gap whose cumulative room reaches its end position. ``stage`` itself where no tile
-    moves. (The rows of cumulative room are searched laid end to end, each shifted past the previous
-    one, with the same floats as the numpy form.)"""
+    """The spreads' pour (planner/spread_loops.py): per rank, its local tiles (``order``, with ``ranks``
+    and ``end``) fill the gaps ``gaps[r, i]`` of stages ``fill[i]`` in turn, up to ``movable[r]`` seconds
+    in all; a tile goes to the first gap whose cumulative room reaches its end position. (stages,
+    whether a tile moved): ``stage`` itself where none moves. (The rows of cumulative room are searched
+    laid end to end, each shifted past the previous one, with the same floats as the numpy form.)"""
     P, F = gaps.shape
     movable = np.maximum(movable, 0.0)
     if order.size == 0 or F == 0 or not (gaps != 0).any() or not (movable != 0).any():
-        return stage
+        return stage, False
     upto = np.empty((P, F))  # work placed up to gap i, non-decreasing along i
     for r in range(P):
         room = 0.0
@@ -267,7 +267,7 @@ def pour(stage, order, ranks, end, total, gaps, movable, fill):
     for r in range(P):
         for i in range(F):
             flat[r * F + i] = upto[r, i] + shift * r
-    out = stage
+    out, moved = stage, False
     # a tile's gap is searchsorted(flat, end + shift * r, "left") - r * F; within a rank the ends grow,
     # and so does that position: one pointer per rank walks the rank's row instead of a search per tile.
     # Once it is past the rank's last gap, the rank's later tiles stay: the walk jumps to the next rank
@@ -282,11 +282,11 @@ def pour(stage, order, ranks, end, total, gaps, movable, fill):
             if i == F:
                 j = bisect(ranks, r, j + 1, True)  # (the next rank's first tile)
                 break
-            if out is stage:
-                out = stage.copy()
+            if not moved:
+                out, moved = stage.copy(), True
             out[order[j]] = fill[i]
             j += 1
-    return out
+    return out, moved
 
 
 @compiled

@@ -1403,7 +1403,7 @@ def test_grouped_cumsum_sums_each_keys_values_up_to_each_position(keys, grouped)
 @settings(max_examples=40, deadline=None)
 @given(ranks=st.lists(st.integers(0, 4), max_size=80), seed=st.integers(0, 2**16), num_gaps=st.integers(1, 3))
 def test_compiled_pour_is_the_numpy_rule(ranks, seed, num_gaps):
-    """planner/tile_loops.py ``group_by_rank`` and ``pour`` (the spreads' ``_pour``, compiled) against
+    """planner/tile_loops.py ``group_by_rank`` and ``pour`` (the spreads' pour, planner/spread_loops.py) against
     their numpy forms: tiles grouped by rank stably, end positions as ``_grouped_cumsum`` gives them (the
     same floats), and each tile in the first gap whose cumulative room (capped by the rank's movable
     seconds) reaches its end, or left where it is, found on the same floats."""
@@ -1424,7 +1424,7 @@ def test_compiled_pour_is_the_numpy_rule(ranks, seed, num_gaps):
     fill = np.arange(1, num_gaps + 1, dtype=np.int64)
     total = np.bincount(rank[tiles], weights=seconds[tiles], minlength=P)
     stage = np.zeros(rank.size, dtype=np.int64)
-    got = pour(stage, order, grouped_rank, end, total, gaps, movable, fill)
+    got, moved = pour(stage, order, grouped_rank, end, total, gaps, movable, fill)
     # the numpy form: the rows of cumulative room laid end to end, each shifted past the one before
     upto = np.minimum(np.cumsum(gaps, axis=1), np.clip(movable, 0.0, None)[:, None])
     want = stage.copy()
@@ -1433,7 +1433,7 @@ def test_compiled_pour_is_the_numpy_rule(ranks, seed, num_gaps):
         flat = (upto + shift * np.arange(P)[:, None]).ravel()
         i = np.searchsorted(flat, end + shift * grouped_rank, side="left") - grouped_rank * num_gaps
         want[order[i < num_gaps]] = fill[i[i < num_gaps]]
-    assert np.array_equal(got, want)
+    assert np.array_equal(got, want) and moved == (not np.array_equal(want, stage)) and (got is stage) == (not moved)
     assert np.array_equal(stage, np.zeros(rank.size, dtype=np.int64))  # (the input is not written)
 
 
