@@ -88,3 +88,46 @@ def test_read_only_int64_gives_one_numba_type_for_any_index_array():
     assert all(v.dtype == np.int64 and v.flags.c_contiguous and not v.flags.writeable for v in views)
     assert np.array_equal(views[2], [0, 2, 4, 6, 8, 10]) and np.array_equal(views[0], np.arange(6))
     assert writable.flags.writeable and np.shares_memory(views[0], writable)  # (a view, not a copy)
+
+
+def test_a_cache_filled_from_other_sources_is_emptied_once(tmp_path):
+    """numba checks a cached version against its own file only, though it holds the compiled functions
+    it calls from other files: ``forget_stale_cache`` empties a cache folder whose sources' digest
+    differs from the one it was filled under, and keeps it while the sources stay the same."""
+    from blockattn.planner.jit import SOURCES_STAMP, forget_stale_cache, sources_digest
+
+    sources, cache = tmp_path / "src", tmp_path / "cache"
+    sources.mkdir()
+    (sources / "loops.py").write_text("x = 1\n")
+    (sources / "notes.txt").write_text("not a source\n")
+
+    def fill():
+        cache.mkdir(exist_ok=True)
+        for name in ("loops.f-3.py311.nbi", "loops.f-3.py311.1.nbc", "other.txt"):
+            (cache / name).write_text("cached")
+
+    fill()
+    assert forget_stale_cache(str(cache), str(sources))  # (no stamp: filled from unknown sources)
+    assert sorted(p.name for p in cache.iterdir()) == sorted(["other.txt", SOURCES_STAMP])
+    assert (cache / SOURCES_STAMP).read_text() == sources_digest(str(sources))
+    fill()
+    assert not forget_stale_cache(str(cache), str(sources))  # (the same sources: kept)
+    assert len(list(cache.iterdir())) == 4
+    (sources / "notes.txt").write_text("changed, but not a source\n")
+    assert not forget_stale_cache(str(cache), str(sources))
+    (sources / "loops.py").write_text("x = 2\n")  # (an edit, or an upgrade)
+    assert forget_stale_cache(str(cache), str(sources))
+    assert sorted(p.name for p in cache.iterdir()) == sorted(["other.txt", SOURCES_STAMP])
+    assert forget_stale_cache(str(tmp_path / "new"), str(sources))  # (a folder numba has not made yet)
+    assert (tmp_path / "new" / SOURCES_STAMP).exists()
+
+
+def test_the_planners_cache_was_checked_against_its_sources():
+    """Importing the planner compared its numba cache with its sources: the stamp there is the digest of
+    planner/*.py as they are now."""
+    from blockattn.planner import jit, tile_loops
+
+    cache_path = tile_loops.merge_tiles._cache.cache_path
+    assert cache_path in jit._checked_caches
+    with open(os.path.join(cache_path, jit.SOURCES_STAMP)) as f:
+        assert f.read() == jit.sources_digest(os.path.dirname(tile_loops.__file__))
