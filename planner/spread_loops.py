@@ -9,10 +9,11 @@ Why: finishing a placement spreads such tiles three ways - the forward's tiles o
 and its purely local tiles (planner/stages.py ``spread_own_rows``, ``spread_local_tiles``), and the
 backward's purely local tiles each time a backward staging is weighed (planner/stages_bwd.py
 ``backward_time``) - and in numpy each spread took ~15 calls on [P, S] tables around the compiled
-sums and pour: ~0.7 ms of a one-node 128K / 8 plan on merged blocks, most of it call overhead. Here
-each is one call with the same floats: the same compiled sums (``stage_loads``, ``key_sums``) and
-pour, the gaps as the same subtractions, row sums as numpy's (planner/float_sums.py).
-tests/test_spread_loops.py keeps the numpy forms and compares.
+sums and pour, most of its time call overhead. Here each is one call with the same floats: the same
+compiled sums (``stage_loads``, ``key_sums``) and pour, the gaps as the same subtractions, row sums
+as numpy's (planner/float_sums.py). On a long-tail 128K / 8 plan (merged 4x) the three took 0.78 ->
+0.49 ms, the tiles' own-row mask and the sums included. tests/test_spread_loops.py keeps the numpy
+forms and compares.
 """
 
 from __future__ import annotations

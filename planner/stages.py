@@ -146,8 +146,8 @@ def spread_local_tiles(stage: np.ndarray, flops: np.ndarray, rank: np.ndarray, i
     if S < 2:
         return stage
     rank, stage = (np.ascontiguousarray(x, dtype=np.int64) for x in (rank, stage))
-    return local_tiles_spread(stage, np.ascontiguousarray(flops / fwd_rate, dtype=np.float64), rank,
-                              np.ascontiguousarray(is_local, dtype=bool), np.ascontiguousarray(comm_time, dtype=np.float64),
+    seconds, comm_time = (np.ascontiguousarray(x, dtype=np.float64) for x in (flops / fwd_rate, comm_time))
+    return local_tiles_spread(stage, seconds, rank, np.ascontiguousarray(is_local, dtype=bool), comm_time,
                               int(world_size), S, S if extra_stage else S - 1)  # (compiled: planner/spread_loops.py)
 
 

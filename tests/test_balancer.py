@@ -290,7 +290,8 @@ def test_block_payloads_are_each_blocks_bytes_once_per_tile_set_and_sizes():
     from blockattn.planner.tiles import TileSet
 
     tiles = TileSet.from_block_mask(MaskSpec.causal(1000).block_mask(64))
-    key = tuple(SIZES[k] for k in ("num_q_heads", "num_kv_heads", "head_dim", "element_size", "grad_element_size"))
+    names = ("num_q_heads", "num_kv_heads", "head_dim", "element_size", "grad_element_size")
+    key = tuple(SIZES[name] for name in names)
     q, kv, out, row_over_column = _block_payloads(tiles, key)
     lens = tiles.block_lengths()
     for kind, got in ((KIND_Q, q), (KIND_KV, kv), (KIND_OUT, out)):
