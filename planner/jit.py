@@ -72,7 +72,7 @@ def forget_stale_cache(cache_path: str, source_dir: str) -> bool:
     digest = sources_digest(source_dir)
     stamp = os.path.join(cache_path, SOURCES_STAMP)
     with _thread_lock:
-        fd = _open_lock()
+        fd = None if _depth else _open_lock()  # (inside a compile this thread holds the lock already)
         try:
             if fd is not None:
                 fcntl.flock(fd, fcntl.LOCK_EX)
