@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .jit import compiled
-from .sort_loops import counting_order
+from .sort_loops import two_digit_order
 from .tile_loops import grouped_running_sums, stage_loads
 
 
@@ -62,7 +62,7 @@ def stage0_kv_groups(stage, kv, rank, home, compute, ranks, ranks_per_node):
         if stage[i] == 0 and ranks[r] and home[b] != r and block_node[b] == rank_node[r]:
             idx[m], key[m] = i, r * nB + (nB - 1 - b)
             m += 1
-    order = _stable_key_order(key[:m], rank, idx, P, nB)
+    order = two_digit_order(key[:m], nB, P * nB)
     of_tile = np.empty(m, dtype=np.int64)
     group_rank = np.empty(m, dtype=np.int64)
     group_seconds = np.empty(m, dtype=np.float64)
@@ -76,26 +76,6 @@ def stage0_kv_groups(stage, kv, rank, home, compute, ranks, ranks_per_node):
         group_seconds[g] += compute[idx[j]]  # (a group's tiles ascending: bincount's order)
         of_tile[j] = g
     return idx[:m].copy(), of_tile, group_rank[:g + 1].copy(), group_seconds[:g + 1].copy()
-
-
-@compiled
-def _stable_key_order(key, rank, idx, num_ranks, num_blocks):
-    """The stable argsort of the keys ``rank * num_blocks + block`` of tiles ``idx``: one counting pass
-    where there are not many more keys than tiles, else two (by block, then by the tiles' rank)."""
-    m = key.size
-    if num_ranks * num_blocks <= 4 * m:
-        return counting_order(key, num_ranks * num_blocks)
-    low = np.empty(m, dtype=np.int64)
-    for j in range(m):
-        low[j] = key[j] - rank[idx[j]] * num_blocks
-    first = counting_order(low, num_blocks)
-    for i in range(m):
-        low[i] = rank[idx[first[i]]]
-    second = counting_order(low, num_ranks)
-    order = np.empty(m, dtype=np.int64)
-    for i in range(m):
-        order[i] = first[second[i]]
-    return order
 
 
 @compiled

@@ -20,14 +20,13 @@ import numpy as np
 
 from .float_sums import numpy_sum
 from .jit import compiled
-from .sort_loops import counting_order, stable_order
+from .sort_loops import stable_order, two_digit_order
 
 
 @compiled
-def by_rank_and_block(tiles, rank, block, latest_first=False):
-    """``tiles`` stably ordered by (rank, block) of each tile (``latest_first``: blocks descending): one
-    counting pass over the keys ``rank * (top block + 1) + block`` where there are not many more keys
-    than tiles (a merged one-node plan), else two (by block, then by rank)."""
+def by_rank_and_block(tiles, rank, block):
+    """``tiles`` stably ordered by (rank, block) of each tile (planner/sort_loops.py ``two_digit_order`` of
+    the keys ``rank * (top block + 1) + block``)."""
     n = tiles.size
     if n == 0:
         return tiles.copy()
@@ -36,27 +35,12 @@ def by_rank_and_block(tiles, rank, block, latest_first=False):
         top_rank, top_block = max(top_rank, rank[tiles[i]]), max(top_block, block[tiles[i]])
     span = top_block + 1
     keys = np.empty(n, dtype=np.int64)
-    if (top_rank + 1) * span <= 4 * n:
-        for i in range(n):
-            b = block[tiles[i]]
-            keys[i] = rank[tiles[i]] * span + (top_block - b if latest_first else b)
-        order = counting_order(keys, (top_rank + 1) * span)
-        out = np.empty(n, dtype=np.int64)
-        for i in range(n):
-            out[i] = tiles[order[i]]
-        return out
     for i in range(n):
-        b = block[tiles[i]]
-        keys[i] = top_block - b if latest_first else b
-    first = counting_order(keys, span)
-    by_block = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        by_block[i] = tiles[first[i]]
-        keys[i] = rank[by_block[i]]
-    second = counting_order(keys, top_rank + 1)
+        keys[i] = rank[tiles[i]] * span + block[tiles[i]]
+    order = two_digit_order(keys, span, (top_rank + 1) * span)
     out = np.empty(n, dtype=np.int64)
     for i in range(n):
-        out[i] = by_block[second[i]]
+        out[i] = tiles[order[i]]
     return out
 
 

@@ -71,6 +71,28 @@ def counting_order(keys, num_keys):
 
 
 @compiled
+def two_digit_order(keys, base, num_keys):
+    """The stable argsort of ints ``keys`` in [0, num_keys), each ``high * base + low`` (low < base): one
+    counting pass where there are not many more keys than values (``num_keys <= 4 * n``), else two, by
+    the low digit, then by the high one (counters for ``base`` and ``num_keys / base`` values, not for
+    every key)."""
+    n = keys.size
+    if num_keys <= 4 * n:
+        return counting_order(keys, num_keys)
+    digit = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        digit[i] = keys[i] % base
+    first = counting_order(digit, base)
+    for i in range(n):
+        digit[i] = keys[first[i]] // base
+    second = counting_order(digit, (num_keys + base - 1) // base)
+    order = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        order[i] = first[second[i]]
+    return order
+
+
+@compiled
 def rows_in_wire_order(table):
     """int32 [m, 5]: the rows of a non-negative int64 schedule table [m, 5] in lexicographic order of
     their columns, ties in table order (numpy's stable argsort of the mixed-radix key, or lexsort):

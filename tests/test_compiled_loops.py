@@ -426,3 +426,15 @@ def test_bisect_and_find_sorted_are_numpys_searchsorted(keys, key, lo, right):
     assert bisect(keys, key, lo, right) == lo + np.searchsorted(keys[lo:], key, side)
     at = np.searchsorted(keys, key)
     assert find_sorted(keys, key) == (at if at < keys.size and keys[at] == key else -1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(base=st.integers(1, 40), high=st.integers(1, 40), data=st.data())
+def test_two_digit_order_is_numpys_stable_argsort(base, high, data):
+    """planner/sort_loops.py ``two_digit_order`` (one counting pass over few keys, else by the low digit
+    then the high one) is the stable argsort, on dense and sparse key ranges alike."""
+    from blockattn.planner.sort_loops import two_digit_order
+
+    keys = np.array(data.draw(st.lists(st.integers(0, base * high - 1), max_size=300)), dtype=np.int64)
+    got = two_digit_order(keys, base, base * high)
+    assert np.array_equal(got, np.argsort(keys, kind="stable"))
