@@ -25,7 +25,7 @@ from .placement import Placement, per_rank_and_stage, weighted_bincount
 from .relay import add_relays, add_transit
 from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, bytes_per_token, payload_bytes, row_bytes
 from .stages import assign_stages
-from .stages_bwd import defer_backward_orders, defer_variant_sets
+from .stages_bwd import defer_backward_variants, defer_variant_sets
 from .starts import contiguous_cut_home, dealt_home, hierarchical_home, spread_read_blocks
 from .tile_loops import remote_tokens
 from .tiles import TileSet
@@ -107,15 +107,12 @@ def with_deferred_backward(tiles: TileSet, placement: Placement, world_size: int
     # multi-node cases of seeds 0 and 1 changed by it)
     rpn = cost_model.topology.ranks_per_node
     variants = defer_variant_sets(world_size, rpn, node_local)[-1]
-    for by_node in dict.fromkeys(by_node for _, by_node in variants):  # (both orders from one group search)
-        orders = tuple(largest_first for largest_first, local in variants if local == by_node)
-        if any(cand is not stage_bwd for cand in defer_backward_orders(
-                stage_bwd, tiles.kv, placement.tile_rank, placement.block_home, compute_bwd, load, comm,
-                orders=orders, into_last=True, ranks_per_node=rpn if by_node else None)):
-            return Finisher(tiles, placement.block_home, placement.tile_rank, placement.tile_stage,
-                            world_size=world_size, cost_model=cost_model, sizes=sizes).deferred(
-                                placement, node_local=node_local)
-    return placement
+    if all(cand is stage_bwd for _, cand in defer_backward_variants(
+            stage_bwd, tiles.kv, placement.tile_rank, placement.block_home, compute_bwd, load, comm, variants,
+            into_last=True, ranks_per_node=rpn)):
+        return placement
+    return Finisher(tiles, placement.block_home, placement.tile_rank, placement.tile_stage, world_size=world_size,
+                    cost_model=cost_model, sizes=sizes).deferred(placement, node_local=node_local)
 
 
 def _with_transit(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel,

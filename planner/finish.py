@@ -20,7 +20,7 @@ from .placement import Placement, compact_stages, per_rank_and_stage
 from .schedule import InputGroups, as_relay_table, relayed_kv_side, schedule_from_groups, schedule_rows
 from .stages import LocalWork, own_row_movable, spread_local_tiles, spread_own_rows
 from .stages_bwd import (DEFER_ROUNDS, BackwardChoice, backward_stages, backward_time, choose_backward_staging,
-                         defer_backward_orders, defer_variant_sets)
+                         defer_backward_variants, defer_variant_sets)
 
 
 def finish_placement(tiles, home: np.ndarray, rank: np.ndarray, stage: np.ndarray, *, world_size: int,
@@ -191,13 +191,8 @@ class Finisher:
         for into_last in (False, True):
             for _ in range(DEFER_ROUNDS):
                 load = per_rank_and_stage(self.rank, spread, self.compute_bwd, self.P, S)
-                cands = {}  # (each node_local's groups found once, for both orders)
-                for node_local in dict.fromkeys(node_local for _, node_local in variants):
-                    orders = tuple(largest_first for largest_first, local in variants if local == node_local)
-                    staged = defer_backward_orders(unspread, self.tiles.kv, self.rank, self.home, self.compute_bwd,
-                                                   load, comm, orders=orders, into_last=into_last,
-                                                   ranks_per_node=rpn if node_local else None)
-                    cands.update(((largest_first, node_local), cand) for largest_first, cand in zip(orders, staged))
+                cands = dict(defer_backward_variants(unspread, self.tiles.kv, self.rank, self.home, self.compute_bwd,
+                                                     load, comm, variants, into_last=into_last, ranks_per_node=rpn))
                 tried, found = [], None
                 for variant in variants:
                     cand = cands[variant]

@@ -129,6 +129,21 @@ def defer_backward_orders(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, h
     return [_deferred(stage, found, upto, top - 1, largest_first) for largest_first in orders]
 
 
+def defer_backward_variants(stage: np.ndarray, kv: np.ndarray, rank: np.ndarray, home: np.ndarray,
+                            compute: np.ndarray, load: np.ndarray, comm_time: np.ndarray, variants, *,
+                            into_last: bool = False, ranks_per_node: int | None = None):
+    """``defer_backward_groups`` for each (largest_first, node_local) of ``variants`` (node_local: by
+    ``ranks_per_node``), yielded as (variant, stages): each node_local's groups are searched once for
+    all its orders (``defer_backward_orders``), and only when the first of its variants is asked for,
+    so a caller that stops early skips the rest."""
+    for node_local in dict.fromkeys(local for _, local in variants):
+        orders = tuple(largest_first for largest_first, local in variants if local == node_local)
+        staged = defer_backward_orders(stage, kv, rank, home, compute, load, comm_time, orders=orders,
+                                       into_last=into_last, ranks_per_node=ranks_per_node if node_local else None)
+        for largest_first, cand in zip(orders, staged):
+            yield (largest_first, node_local), cand
+
+
 def _deferred(stage: np.ndarray, found: tuple, upto: np.ndarray, F: int, largest_first: bool) -> np.ndarray:
     """``stage`` with the groups ``found`` (``_stage0_remote_kv_groups``) moved into the room ``upto``
     [P, F] (work placed up to each of stages 1 .. F), each rank's groups in the order ``largest_first``
@@ -141,7 +156,8 @@ def _deferred(stage: np.ndarray, found: tuple, upto: np.ndarray, F: int, largest
         end[order] = _grouped_cumsum(group_rank[order], group_c[order])
     else:
         end = _grouped_cumsum(group_rank, group_c)
-    # a group goes to the first stage j whose cumulative room reaches its end (as in ``_pour``)
+    # a group goes to the first stage j whose cumulative room reaches its end (as the spreads' pour
+    # does, planner/tile_loops.py)
     shift = 2.0 * float(max(end.max(), upto.max())) + 1.0
     flat = (upto + shift * np.arange(P)[:, None]).ravel()
     j = np.searchsorted(flat, end + shift * group_rank, side="left") - group_rank * F

@@ -393,10 +393,11 @@ def test_stage0_remote_kv_groups_are_their_numpy_form(seed, num_blocks, world_si
 @given(**PLACEMENTS, per_node=st.sampled_from([None, 2]), into_last=st.booleans())
 def test_deferral_orders_share_one_group_search(seed, num_blocks, world_size, num_tiles, num_stages, per_node,
                                                 into_last):
-    """planner/stages_bwd.py ``defer_backward_orders`` (both orders from one search of the groups) gives
-    what ``defer_backward_groups`` gives for each order, ``stage`` itself where nothing moves."""
+    """planner/stages_bwd.py ``defer_backward_orders`` (both orders from one search of the groups) and
+    ``defer_backward_variants`` give what ``defer_backward_groups`` gives for each order and variant,
+    ``stage`` itself where nothing moves."""
     from blockattn.planner.placement import per_rank_and_stage
-    from blockattn.planner.stages_bwd import defer_backward_groups, defer_backward_orders
+    from blockattn.planner.stages_bwd import defer_backward_groups, defer_backward_orders, defer_backward_variants
 
     q, kv, rank, home, _ = _placement(seed, num_blocks, world_size, num_tiles, num_stages + 2)
     rng = np.random.default_rng(seed + 5)
@@ -410,6 +411,14 @@ def test_deferral_orders_share_one_group_search(seed, num_blocks, world_size, nu
     for largest_first, got in zip((False, True), both):
         want = defer_backward_groups(*args, largest_first=largest_first, into_last=into_last, ranks_per_node=per_node)
         assert np.array_equal(got, want) and ((got is stage) == (want is stage))
+    # ``defer_backward_variants``: every (largest_first, node_local) variant, the node-local ones by nodes of 2
+    variants = ((False, False), (True, False), (False, True), (True, True))
+    got = dict(defer_backward_variants(*args, variants, into_last=into_last, ranks_per_node=2))
+    assert list(got) == list(variants)
+    for (largest_first, node_local), cand in got.items():
+        want = defer_backward_groups(*args, largest_first=largest_first, into_last=into_last,
+                                     ranks_per_node=2 if node_local else None)
+        assert np.array_equal(cand, want) and ((cand is stage) == (want is stage))
 
 
 @settings(max_examples=80, deadline=None)
