@@ -22,7 +22,12 @@ Notation (docs/design.md): nB blocks, P ranks, tile (qb, kb); M = mean per-rank 
    link than the compute it saves (``kv_read_across``).
 3. Packing (polynomial, LPT with capacity): pieces by decreasing compute, each to the least loaded
    rank that still has memory room (a piece larger than the room is split and the rest re-queued);
-   pieces of an already placed segment prefer that segment's node when it is nearly as idle.
+   pieces of an already placed segment prefer that segment's node when it is nearly as idle. On one
+   node (``neighbor_affinity``) a piece also prefers a rank holding a block next to it when that rank
+   is within ``NEIGHBOR_AFFINITY`` of the least loaded: segments meet where a document starts inside
+   a block and goes on after it, and two neighbours on different ranks cost that block's KV (and its
+   gradient back). With ~150 short documents per 128K tokens most of the fcp homes' bytes were such
+   boundaries (a Wikipedia batch on 8 ranks: ~120 of 159 MB).
    Every rank ends with at most ``cap`` blocks, so memory stays within one block of balanced.
 4. Execution: as ring/zigzag, every tile on its q-block's home (remote KV only, no OUT partials),
    stages from planner/stages.py.
@@ -49,6 +54,9 @@ PIECES_PER_RANK = 4  # long segments are cut into pieces of cap / 4 blocks
 PIECE_SHARE = 0.75  # the fcp strategy's pieces: at most this many ranks' shares of compute (``strategy_home``)
 SEGMENT_AFFINITY = 0.25  # a rank already holding the segment is preferred within 25% of M of the least loaded
 NODE_AFFINITY = 0.10  # else a rank on the segment's node is preferred within 10% of M
+# one node: else a rank holding a neighbouring block within 2% of M (near-ties: 0.05-0.3 moved 1-11% more bytes
+# than 0.02 on the bench's 8-rank plans of seeds 0 and 777, and fcp's plans were slower)
+NEIGHBOR_AFFINITY = 0.02
 PAIR_SLACK = 0.1  # zigzag pairs are used when the heaviest is within 10% of the segment's mean piece
 SPLIT_SLACK = 0.1  # a segment up to 10% heavier than a rank's share stays on one rank (the balancer trims it)
 SHARED_COLUMN = 0.5  # a kv-block read by more than half of the q-blocks is shared by the batch (``segments``)
@@ -114,7 +122,7 @@ def kv_read_across(tiles: TileSet, kv_bytes: np.ndarray) -> np.ndarray:
 def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, head_dim: int,
              bin_ranks: np.ndarray | None = None, kv_bytes: np.ndarray | None = None,
              contiguous_parts: bool = False, documents: bool = False, cut_links: int = 1,
-             piece_share: float = math.inf) -> np.ndarray:
+             piece_share: float = math.inf, neighbor_affinity: float = 0.0) -> np.ndarray:
     """Bin of every block (see module docstring, steps 1-3). Bins are ranks by default; with
     ``bin_ranks`` (ranks per bin, e.g. per node) bin i gets memory and compute in proportion, and
     with ``kv_bytes`` (each block's KV payload) a segment heavier than a bin's compute share is
@@ -125,7 +133,9 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     segments cut after the blocks documents start in (``segments``). ``cut_links``: the inter-node links
     a cut's KV is priced as spread over (1: one NIC; a node's NICs where relays and transit relays
     spread it, planner/relay.py). ``piece_share``: plain pieces are also cut where they reach this many
-    bins' shares of compute (the fcp strategy's ``strategy_home``; zigzag pairs and node parts are not)."""
+    bins' shares of compute (the fcp strategy's ``strategy_home``; zigzag pairs and node parts are not).
+    ``neighbor_affinity``: a piece prefers a bin holding a neighbouring block within this many M of the
+    least loaded (step 3; ``NEIGHBOR_AFFINITY`` on one node, 0 where the bins span several)."""
     nB = tiles.num_blocks
     weight = np.ones(world_size) if bin_ranks is None else np.asarray(bin_ranks, dtype=np.float64)
     P = weight.size
@@ -166,7 +176,7 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
         extra = (-(prefix[e_] - prefix[s_]), s_, e_, seg_, e_, e_)
         pieces = [np.concatenate((mine, more)) for mine, more in zip(pieces, extra)]
     return pack_pieces(*pieces, prefix, weight, cap.astype(np.int64), np.asarray(node, dtype=np.int64),
-                       bounds.size - 1, nB, float(mean), SEGMENT_AFFINITY, NODE_AFFINITY)
+                       bounds.size - 1, nB, float(mean), SEGMENT_AFFINITY, NODE_AFFINITY, float(neighbor_affinity))
 
 
 def _node_group(prefix: np.ndarray, across: np.ndarray, a: int, b: int, k_min: int, k_max: int, mean: float,
@@ -199,8 +209,9 @@ def strategy_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num
     geomean 1.55 -> 1.46x; docs/planner_log.md). dcp's "fcp" / "fcp-docs" starts keep plain pieces
     (``fcp_home``'s default): the balancer evens such pieces out, and with the bound dcp's plans moved
     either way; dcp's last check weighs this plan."""
+    one_node = world_size <= cost_model.topology.ranks_per_node
     return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
-                    documents=True, piece_share=PIECE_SHARE)
+                    documents=True, piece_share=PIECE_SHARE, neighbor_affinity=NEIGHBOR_AFFINITY if one_node else 0.0)
 
 
 def fcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,

@@ -21,13 +21,15 @@ from .jit import compiled
 
 @compiled
 def pack_pieces(neg_cost, start, end, segment, start2, end2, cost, weights, room, node, num_segments,
-                num_blocks, mean, segment_affinity, node_affinity):
+                num_blocks, mean, segment_affinity, node_affinity, neighbor_affinity):
     """int64 [nB] bin of every block. Pieces (``neg_cost``: minus their compute) by decreasing compute,
     each to the least loaded bin per unit of weight that still has room (ties: the lowest bin); a bin
-    already holding the piece's segment is preferred within ``segment_affinity * mean`` of it, else a
-    bin on the node of the segment's first piece within ``node_affinity * mean``. A pair that does not
-    fit the bin is placed as its two runs; a run longer than the bin's room is split, the rest queued
-    again. ``room`` [P]: blocks each bin may still take (written to)."""
+    already holding the piece's segment is preferred within ``segment_affinity * mean`` of it, else
+    (``neighbor_affinity`` > 0) a bin holding a block next to one of the piece's runs within
+    ``neighbor_affinity * mean``, else a bin on the node of the segment's first piece within
+    ``node_affinity * mean``. A pair that does not fit the bin is placed as its two runs; a run longer
+    than the bin's room is split, the rest queued again. ``room`` [P]: blocks each bin may still take
+    (written to)."""
     P = weights.size
     heap = [(neg_cost[i], start[i], end[i], segment[i], start2[i], end2[i]) for i in range(neg_cost.size)]
     heapq.heapify(heap)
@@ -37,7 +39,7 @@ def pack_pieces(neg_cost, start, end, segment, start2, end2, cost, weights, room
         ratio[r] = 0.0 if room[r] > 0 else np.inf
     idle = [(ratio[r], r) for r in range(P)]  # (ratio, bin) min-heap, stale entries skipped lazily
     heapq.heapify(idle)
-    home = np.empty(num_blocks, dtype=np.int64)
+    home = np.full(num_blocks, -1, dtype=np.int64)  # (-1: not placed yet)
     # the bins holding each segment, in the order they took its pieces: a linked list per segment
     seg_head = np.full(num_segments, -1)
     seg_tail = np.full(num_segments, -1)
@@ -50,27 +52,40 @@ def pack_pieces(neg_cost, start, end, segment, start2, end2, cost, weights, room
         while idle[0][0] != ratio[idle[0][1]]:
             heapq.heappop(idle)
         r = idle[0][1]  # least loaded (ties: lowest bin)
-        if seg_head[seg] >= 0:  # (a segment's first piece has no bins or node to prefer yet)
-            # bins holding the segment first, then bins on its node: the first open one of least ratio,
-            # where nearly as idle as the least loaded bin
-            for pass_ in range(2):
-                best = -1
-                if pass_ == 0:
-                    link = seg_head[seg]
-                    while link >= 0:
-                        x = link_bin[link]
+        # bins holding the segment, then bins holding a neighbouring block, then bins on the segment's
+        # node: the first open one of least ratio, where nearly as idle as the least loaded bin
+        for pass_ in range(3):
+            if pass_ != 1 and seg_head[seg] < 0:  # (a segment's first piece has no bins or node to prefer yet)
+                continue
+            if pass_ == 1 and neighbor_affinity <= 0:
+                continue
+            best = -1
+            if pass_ == 0:
+                link = seg_head[seg]
+                while link >= 0:
+                    x = link_bin[link]
+                    if room[x] > 0 and (best < 0 or ratio[x] < ratio[best]):
+                        best = x
+                    link = link_next[link]
+                affinity = segment_affinity
+            elif pass_ == 1:
+                # segments meet where a document starts inside the block before the boundary and goes on
+                # after it: with the two sides on different bins that block's KV crosses, and its
+                # gradient comes back
+                for b in (s - 1, e, s2 - 1 if e2 > s2 else -1, e2 if e2 > s2 else -1):
+                    if 0 <= b < num_blocks and home[b] >= 0:
+                        x = home[b]
                         if room[x] > 0 and (best < 0 or ratio[x] < ratio[best]):
                             best = x
-                        link = link_next[link]
-                    affinity = segment_affinity
-                else:
-                    for x in range(P):
-                        if node[x] == seg_node[seg] and room[x] > 0 and (best < 0 or ratio[x] < ratio[best]):
-                            best = x
-                    affinity = node_affinity
-                if best >= 0 and ratio[best] <= ratio[r] + affinity * mean:
-                    r = best
-                    break
+                affinity = neighbor_affinity
+            else:
+                for x in range(P):
+                    if node[x] == seg_node[seg] and room[x] > 0 and (best < 0 or ratio[x] < ratio[best]):
+                        best = x
+                affinity = node_affinity
+            if best >= 0 and ratio[best] <= ratio[r] + affinity * mean:
+                r = best
+                break
         if e2 > s2 and (e - s) + (e2 - s2) > room[r]:
             # a pair that does not fit: place its two runs independently
             heapq.heappush(heap, (-(cost[e] - cost[s]), s, e, seg, e, e))
