@@ -12,7 +12,8 @@ and an OUT partial back for each q-block t does not own. Candidates are prefixes
 tile list, evaluated all at once with cumulative sums, and the prefix minimizing
 max(time(r), time(t)) is taken (never more than brings r to the mean or t to the cap):
 
-* rows to the kv-home (t holds the KV already): whole q-rows, largest first;
+* rows to the kv-home (t holds the KV already): whole q-rows, largest first; on one node only a row
+  whose piece on t's KV is long enough to cost no more bytes a tile than a rectangle (``priced_rows``);
 * rectangles to any rank: tiles ordered by (kv // w, q), so a prefix is a rectangle of a rows by
   w kv-blocks, ``w = sqrt(n * (Q + OUT) / KV)`` minimizing ``a * (Q + OUT) + w * KV`` for n tiles.
 
@@ -130,7 +131,7 @@ class Balancer:
                               level_nodes=self.level_nodes, slack=BALANCE_SLACK, max_rounds=MAX_ROUNDS,
                               max_targets=MAX_TARGETS_PER_DONOR, max_failed_homes=MAX_FAILED_HOMES,
                               max_move_tiles=MAX_MOVE_TILES, mean_tile=float(self._mean_tile),
-                              row_over_column=float(self._row_over_column))
+                              row_over_column=float(self._row_over_column), priced_rows=not self.multi_node)
         moves.count_start(self._state, self._rule)
 
     # ------------------------------------------------------------------ moves (planner/balance_moves.py)

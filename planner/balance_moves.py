@@ -68,6 +68,7 @@ class MoveRule(NamedTuple):
     max_move_tiles: int  # longest prefix evaluated per move
     mean_tile: float  # a tile's mean compute (sizes the rectangles)
     row_over_column: float  # (Q + OUT) / KV bytes of a block: the rectangles' shape
+    priced_rows: bool  # rows to kv-homes only in pieces no dearer a tile than a rectangle (one node)
 
 
 @compiled(error_model="numpy")
@@ -337,7 +338,8 @@ def _ranks_under(state, mean, only_node, exclude):
 
 @compiled(error_model="numpy")
 def _shed_rows(state, rule, r, mine, mean, cap, only_node):
-    """Rows of r's tiles ``mine`` to kv-homes under the mean (only Q + OUT move), largest rows first."""
+    """Rows of r's tiles ``mine`` to kv-homes under the mean (only Q + OUT move), largest rows first; with
+    ``priced_rows`` only a row's piece long enough to cost no more bytes a tile than a rectangle would."""
     nB, P = state.home.size, state.C.size
     row_c = np.zeros(nB)
     row_of = np.full(nB, -1)  # the rows of ``mine``, numbered in ascending q (``mine`` is in (q, kv) order)
@@ -373,6 +375,17 @@ def _shed_rows(state, rule, r, mine, mean, cap, only_node):
             num_homes += 1
     failed = 0
     rows_to = np.empty(mine.size, dtype=np.int64)
+    piece = np.zeros(num_rows, dtype=np.int64)
+    # ``priced_rows`` (one node): a row's piece of k tiles reading t's KV costs Q + OUT, R / k KV blocks'
+    # bytes a tile (R = row_over_column), where a rectangle of the n tiles the donor must shed costs about
+    # 2 sqrt(n R), 2 sqrt(R / n) a tile: only pieces at least as cheap (k >= sqrt(n R) / 2) go as rows, the
+    # rest to the rectangles. Long-tail causal plans on 8 ranks had shed many rows' first 1-2 tiles to the
+    # home of their document's first blocks, ~2 MB of Q + OUT each (docs/planner_log.md, session 40). On
+    # several nodes the search's later passes went either way with it.
+    min_piece = 0.0
+    if rule.priced_rows:
+        shed = max(1.0, (state.C[r] - mean) / max(rule.mean_tile, 1e-300))
+        min_piece = np.sqrt(shed * rule.row_over_column) / 2
     for t in _target_order(state, rule, homes[:num_homes], r):
         if state.C[r] <= cap or failed >= rule.max_failed_homes:
             return
@@ -382,6 +395,17 @@ def _shed_rows(state, rule, r, mine, mean, cap, only_node):
             if state.home[state.kv[tile]] == t and state.rank[tile] == r:
                 rows_to[n] = tile
                 n += 1
+        if min_piece > 1:
+            piece[:] = 0
+            for i in range(n):
+                piece[row_of[state.q[rows_to[i]]]] += 1
+            kept = 0
+            for i in range(n):
+                row = row_of[state.q[rows_to[i]]]
+                if piece[row] >= min_piece:
+                    rows_to[kept] = rows_to[i]
+                    kept += 1
+            n = kept
         failed = 0 if try_move(state, rule, rows_to[:n], r, t, mean, cap) else failed + 1
 
 

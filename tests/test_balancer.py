@@ -76,8 +76,9 @@ def test_duplex_balancer_predicts_each_prefix_of_a_move_exactly(seed, ranks_per_
 def test_duplex_estimate_lets_the_homes_many_ranks_read_shed_their_compute():
     """One node of 16, 32K tokens of long-tail documents from "fcp-docs" homes: summing a rank's sends
     and receives, the homes whose KV the long documents' later rows read stop shedding compute once
-    their transfers reach it (1.13x the mean compute); taking each link's busier direction, as the cost
-    model prices an exchange (``duplex``), they shed it to the 2% the Balancer aims at."""
+    their transfers reach it (1.07x the mean compute; 1.13x while rows went to kv-homes in pieces of any
+    length, before ``priced_rows``); taking each link's busier direction, as the cost model prices an
+    exchange (``duplex``), they shed it to the 2% the Balancer aims at."""
     from blockattn.planner.balance import Balancer
     from blockattn.planner.candidates import _initial_home
     from blockattn.planner.tiles import TileSet
@@ -93,7 +94,7 @@ def test_duplex_estimate_lets_the_homes_many_ranks_read_shed_their_compute():
         load = np.bincount(Balancer(tiles, home, seconds, 16, topology, duplex=duplex, **SIZES).run(),
                            weights=seconds, minlength=16)
         imbalance[duplex] = load.max() / load.mean()
-    assert imbalance[False] > 1.10 and imbalance[True] < 1.03, imbalance
+    assert imbalance[False] > 1.05 and imbalance[True] < 1.03, imbalance
 
 
 @settings(max_examples=25, deadline=None)
@@ -299,3 +300,32 @@ def test_block_payloads_are_each_blocks_bytes_once_per_tile_set_and_sizes():
     assert lens[-1] == 1000 - 15 * 64 and row_over_column == (q.max() + out.max()) / kv.max()
     assert _block_payloads(tiles, key)[0] is q
     assert not np.array_equal(_block_payloads(tiles, key[:3] + (4, 4))[0], q)
+
+
+def test_one_node_rows_go_to_a_kv_home_only_in_pieces_no_dearer_than_a_rectangle():
+    """On one node (``priced_rows``) a donor sheds rows to a kv-home only in pieces whose Q + OUT cost no
+    more bytes a tile than a rectangle of what it must shed: here a causal document's first two blocks
+    are homed on rank 1 and the rest on rank 0, so every row's piece on rank 1's KV is two tiles. Priced,
+    the Balancer balances as well and moves fewer bytes, and no row it moves brings only such a piece."""
+    from blockattn.planner.balance import Balancer
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.documents([32 * 64, 6 * 64]).block_mask(64))
+    home = np.zeros(tiles.num_blocks, dtype=np.int64)
+    home[:2] = 1
+    home[32:] = 1
+    compute = tiles.pairs.astype(np.float64) * 1e-9
+    runs = {}
+    for priced in (True, False):
+        balancer = Balancer(tiles, home, compute, 2, Topology(ranks_per_node=2), element_size=2,
+                            grad_element_size=4, **HEADS)
+        assert balancer._rule.priced_rows  # one node
+        balancer._rule = balancer._rule._replace(priced_rows=priced)
+        rank = balancer.run()
+        moved = rank != home[tiles.q]
+        rows, piece = np.unique(tiles.q[moved], return_counts=True)
+        runs[priced] = dict(bytes=balancer.send.sum(), busiest=balancer.C.max(), shortest=piece.min(), rows=rows.size)
+    priced, plain = runs[True], runs[False]
+    assert plain["shortest"] <= 2 < priced["shortest"], runs
+    assert priced["bytes"] < 0.9 * plain["bytes"], runs
+    assert priced["busiest"] <= 1.005 * plain["busiest"], runs
