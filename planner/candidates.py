@@ -237,11 +237,10 @@ def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostMo
     if init in ("dealt", "dealt-nodes"):
         return dealt_home(tiles, world_size, topology=cost_model.topology)
     if init in ("fcp", "fcp-docs"):
-        from .fcp import NEIGHBOR_AFFINITY, fcp_home
+        from .fcp import fcp_home, neighbor_affinity_for
 
-        one_node = world_size <= cost_model.topology.ranks_per_node
         return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
-                        documents=init == "fcp-docs", neighbor_affinity=NEIGHBOR_AFFINITY if one_node else 0.0)
+                        documents=init == "fcp-docs", neighbor_affinity=neighbor_affinity_for(world_size, cost_model))
     raise ValueError(f"unknown dcp init {init!r}; choose contiguous, hierarchical, hierarchical-fcp, "
                      "hierarchical-fcp-wide, hierarchical-spread, zigzag, fcp, fcp-docs, dealt or dealt-nodes")
 

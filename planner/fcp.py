@@ -119,6 +119,12 @@ def kv_read_across(tiles: TileSet, kv_bytes: np.ndarray) -> np.ndarray:
     return np.cumsum(diff)[: nB + 1]
 
 
+def neighbor_affinity_for(world_size: int, cost_model: CostModel) -> float:
+    """``fcp_home``'s ``neighbor_affinity`` for ``world_size`` ranks: NEIGHBOR_AFFINITY where they share
+    one node, else 0 (measured either way on several nodes, where a neighbour may sit across a NIC)."""
+    return NEIGHBOR_AFFINITY if world_size <= cost_model.topology.ranks_per_node else 0.0
+
+
 def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, head_dim: int,
              bin_ranks: np.ndarray | None = None, kv_bytes: np.ndarray | None = None,
              contiguous_parts: bool = False, documents: bool = False, cut_links: int = 1,
@@ -135,7 +141,7 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     spread it, planner/relay.py). ``piece_share``: plain pieces are also cut where they reach this many
     bins' shares of compute (the fcp strategy's ``strategy_home``; zigzag pairs and node parts are not).
     ``neighbor_affinity``: a piece prefers a bin holding a neighbouring block within this many M of the
-    least loaded (step 3; ``NEIGHBOR_AFFINITY`` on one node, 0 where the bins span several)."""
+    least loaded (step 3; ``neighbor_affinity_for`` for the fcp homes of ranks)."""
     nB = tiles.num_blocks
     weight = np.ones(world_size) if bin_ranks is None else np.asarray(bin_ranks, dtype=np.float64)
     P = weight.size
@@ -209,9 +215,9 @@ def strategy_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num
     geomean 1.55 -> 1.46x; docs/planner_log.md). dcp's "fcp" / "fcp-docs" starts keep plain pieces
     (``fcp_home``'s default): the balancer evens such pieces out, and with the bound dcp's plans moved
     either way; dcp's last check weighs this plan."""
-    one_node = world_size <= cost_model.topology.ranks_per_node
     return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
-                    documents=True, piece_share=PIECE_SHARE, neighbor_affinity=NEIGHBOR_AFFINITY if one_node else 0.0)
+                    documents=True, piece_share=PIECE_SHARE,
+                    neighbor_affinity=neighbor_affinity_for(world_size, cost_model))
 
 
 def fcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
