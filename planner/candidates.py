@@ -30,7 +30,10 @@ from .starts import contiguous_cut_home, dealt_home, hierarchical_home, spread_r
 from .tile_loops import remote_tokens
 from .tiles import TileSet
 
-BASELINE_INITS = ("zigzag-ring", "zigzag-allgather")  # planner/baselines.py zigzag and allgather as they are
+# planner/baselines.py zigzag, allgather and ring as they are: "ring" (contiguous shards) for local masks, where
+# the neighbour's tail is all a rank reads (a sliding window over 27.7K tokens on 5 ranks, one per node: dcp
+# 1.110x the bound, ring 1.053x)
+BASELINE_INITS = ("zigzag-ring", "zigzag-allgather", "ring")
 FCP_PLAN = "fcp-plan"  # the fcp strategy's plan as it is (planner/fcp.py: owner computes on FCP's homes)
 # Large batches are planned on merged blocks (2x2, 4x4, ... tiles) while that keeps >= 32 merged
 # blocks per rank (memory balance within ~3%); the result is mapped back to the real blocks.
@@ -265,14 +268,14 @@ def _place(tiles: TileSet, world_size: int, init: str | None, cost_model: CostMo
     ``spread_sends`` a home's inter-node KV sends as spread over its node's NICs). ``nic_scale``: the
     balancer alone sees the inter-node bandwidth times this (staging and scoring see the true one)."""
     if init in BASELINE_INITS or init == FCP_PLAN:  # a baseline itself, so dcp is never slower
-        from .baselines import allgather, zigzag
+        from .baselines import allgather, ring, zigzag
 
         if init == FCP_PLAN:
             from .fcp import fcp
 
             base = fcp(tiles, world_size, cost_model=cost_model, max_stages=max_stages, home=home, **sizes)
         else:
-            base = (zigzag if init == "zigzag-ring" else allgather)(tiles, world_size)
+            base = {"zigzag-ring": zigzag, "zigzag-allgather": allgather, "ring": ring}[init](tiles, world_size)
         placement = finish_placement(tiles, base.block_home, base.tile_rank, base.tile_stage, world_size=world_size,
                                      cost_model=cost_model, sizes=sizes, max_stages=max_stages)
     else:

@@ -128,7 +128,7 @@ def _dcp(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int
             if inherit:  # (the gathers and the covering the merged schedule needs, in one pass)
                 *inherited, covered = _inherited(tiles, of_fine, factor, coarse, plan)
                 fine = Placement(block_home=block_home, tile_rank=inherited[0], tile_stage=inherited[1],
-                                 tile_stage_bwd=inherited[2])
+                                 tile_stage_bwd=inherited[2], merged_time=plan.sim_time)
             else:
                 fine = Placement(block_home=block_home, tile_rank=plan.tile_rank[of_fine],
                                  tile_stage=plan.tile_stage[of_fine])

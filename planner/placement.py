@@ -35,6 +35,9 @@ class Placement:
     # dcp: the search's steps that ran, in order, as (step, simulated fwd + bwd seconds of the plan kept
     # after it, or None where not scored); planner/dcp.py ``dcp``, shown by ``Plan.explain``
     search: tuple = ()
+    # one node, planned on merged blocks: the merged plan's simulated fwd + bwd time (its fine copy is
+    # scored by make_plan unless that time calls for the checks a full-resolution plan gets)
+    merged_time: float | None = None
 
 
 def balanced_bounds(num_blocks: int, parts: int) -> np.ndarray:
