@@ -50,19 +50,20 @@ best budget scale, each kept only where faster); the refined finalists within ``
 fastest go to full resolution and get their transit relays, and the fastest is kept. The plain
 zigzag baseline ("zigzag-ring") is a candidate too, and the final plan is checked against the
 zigzag baselines and ring's contiguous shards (``BASELINE_INITS``) at full resolution (skipped for a
-baseline ``BASELINE_MARGIN`` slower on the merged blocks), so dcp is never slower than them in the cost model; after every pass below, the fcp
-strategy's own plan is weighed as it is too (on several nodes, and on one node where the plan is not
-within 5% of the bound, kept there by the bytes rule). A multi-node plan still
-``SECOND_OPINION`` times the bound gets a second opinion: balanced again with its homes' inter-node
-sends priced as spread over their node's NICs (from "hierarchical", from "hierarchical" with each
-node's blocks that other nodes read dealt over its ranks, and from the homes of the kept plan and of
-every first-pass finalist), refined alike; its finalists within ``RECHECK`` of the fastest go to
-full resolution and get their transit relays before they are compared, and the fastest plan is kept.
+baseline ``BASELINE_MARGIN`` slower on the merged blocks), so dcp is never slower than them in the
+cost model; after every pass below, the fcp strategy's own plan is weighed as it is too (on several
+nodes, and on one node where the plan is not within 5% of the bound, kept there by the bytes rule). A
+multi-node plan still ``SECOND_OPINION`` times the bound gets a second opinion: balanced again with
+its homes' inter-node sends priced as spread over their node's NICs (from "hierarchical", from
+"hierarchical" with each node's blocks that other nodes read dealt over its ranks, and from the homes
+of the kept plan and of every first-pass finalist), refined alike; its finalists within ``RECHECK`` of
+the fastest go to full resolution and get their transit relays before they are compared, and the fastest plan is kept.
 Batches with many tiles are planned on merged blocks (``coarsen``) and mapped back, which keeps
 planning time near-linear in the batch (on one node with the merged tiles' backward stages mapped
 back too). Last, the kept plan's backward defers whole remote-KV groups
 out of stage 0 into the stages whose exchanges it leaves exposed, where faster
-(``with_deferred_backward``; not for a large one-node batch planned on merged blocks); on several
+(``with_deferred_backward``; not for a large one-node batch planned on merged blocks within
+``GOOD_ENOUGH`` of the bound, which skips the checks and passes below too); on several
 nodes its greedy rounds are followed twice, the second time also trying to defer only groups whose
 kv-block is homed on the rank's node (a deferred group whose dK/dV partial crosses nodes, summed
 through a relay's reduce tree, can leave a proxy's NIC sending after all compute). On several
@@ -404,8 +405,9 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         # allgather's 2.02x) it is scored and checked as below.
         return result
     # Checked at full resolution against the baselines (zigzag with ring stages or all KV in one stage,
-    # and ring's contiguous shards), so dcp is never slower than them in the cost model - also after planning on merged blocks, the
-    # candidate preselection, or on batches so small that per-stage latency dominates.
+    # and ring's contiguous shards), so dcp is never slower than them in the cost model - also after
+    # planning on merged blocks, the candidate preselection, or on batches so small that per-stage
+    # latency dominates.
     result = _scored(tiles, result, world_size, cost_model, sizes)
     if one_node:
         steps.append(("candidates", result.sim_time))
