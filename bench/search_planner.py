@@ -1,0 +1,146 @@
+"""A random search over make_plan's arguments: every plan checked, and dcp against what it promises.
+
+Each batch draws a mask (Wikipedia-length documents, documents of 1-3 tokens, a few long documents;
+causal documents, lambda, shared question, causal-blockwise, sliding window, bidirectional documents,
+one causal sequence), a length of 1-40K tokens, 1-64 ranks with 1-8 per node or all on one, a block
+size (16-256 or the default), query / KV heads, dtypes and the gradient partials' dtype, and plans it
+with every strategy with ``check_plan`` on. A batch fails if planning raises, if the local tokens are
+not a partition of the batch, or if dcp is slower (simulated fwd + bwd) than what planner/dcp.py
+promises: on several nodes no slower than zigzag, allgather, ring or the fcp strategy; on one node,
+where its plan is over GOOD_ENOUGH of the bound and the batch is planned on its real blocks, no slower
+than the baselines. Session 41 ran 4310 such batches (docs/planner_log.md).
+
+    python bench/search_planner.py [--seed 0] [--minutes 10 | --batches N] [--out bench/results/search_planner.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench_planner import SEQLENS
+from blockattn.masks import MaskSpec
+from blockattn.planner import Topology, clear_plan_cache, make_plan
+from blockattn.planner.candidates import coarsening_factor
+from blockattn.planner.first_pass import GOOD_ENOUGH
+from blockattn.planner.tiles import TileSet
+
+STRATEGIES = ("dcp", "fcp", "zigzag", "ring", "allgather")
+BASELINES = ("zigzag", "ring", "allgather")
+WORLD_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
+
+
+def draw_batch(rng: np.random.Generator, wiki: np.ndarray) -> tuple[MaskSpec, dict, dict]:
+    """(mask, make_plan arguments, a JSON-ready record of both) of one random batch."""
+    T = int(rng.choice([rng.integers(1, 300), rng.integers(300, 8000), rng.integers(8000, 40000)]))
+    kind = int(rng.integers(0, 6))
+    lens: list[int] = []
+    while sum(lens) < T:
+        if kind == 0:
+            n = int(wiki[rng.integers(wiki.size)])
+        elif kind == 1:
+            n = int(rng.integers(1, 4))
+        else:
+            n = int(rng.integers(1, max(2, T // int(rng.integers(1, 6)))))
+        lens.append(max(1, min(n, T - sum(lens))))
+    T = sum(lens)
+    mask = int(rng.integers(0, 7))
+    names = ("causal_docs", "lambda_docs", "shared_question", "causal_blockwise", "sliding_window",
+             "bidirectional_docs", "causal")
+    name = names[mask] if mask != 2 or len(lens) > 1 else names[0]
+    docs = MaskSpec.documents(lens)
+    if mask == 1:
+        spec = docs & MaskSpec.lambda_mask(T, int(rng.integers(0, 64)), int(rng.integers(1, 4096)))
+    elif mask == 2 and len(lens) > 1:
+        spec = MaskSpec.shared_question(lens[0], lens[1:])
+    elif mask == 3:
+        spec = MaskSpec.causal_blockwise(T, block=int(rng.choice([64, 256, 1000])), k_local=int(rng.integers(1, 4)))
+    elif mask == 4:
+        spec = MaskSpec.sliding_window(T, int(rng.integers(1, 3000)))
+    elif mask == 5:
+        spec = MaskSpec.documents(lens, causal=False)
+    elif mask == 6:
+        spec = MaskSpec.causal(T)
+    else:
+        spec = docs
+    P = int(rng.choice(WORLD_SIZES))
+    rpn = int(rng.choice([1, 2, 3, 4, 8, P]))
+    block = rng.choice([0, 16, 32, 64, 128, 256])
+    hq = int(rng.choice([4, 8, 32]))
+    hkv = int(rng.choice([g for g in (1, 2, 4, 8) if hq % g == 0]))
+    dtype = [torch.bfloat16, torch.float16][int(rng.integers(0, 2))]
+    grad = [torch.float32, torch.bfloat16][int(rng.integers(0, 2))] if dtype == torch.bfloat16 else torch.float32
+    args = dict(world_size=P, ranks_per_node=rpn, block_size=int(block) or None, num_q_heads=hq, num_kv_heads=hkv,
+                head_dim=64, dtype=dtype, grad_comm_dtype=grad)
+    record = dict(args, tokens=T, documents=len(lens) if name.endswith("docs") or mask == 2 else 1, mask=name,
+                  dtype=str(dtype), grad_comm_dtype=str(grad))
+    return spec, args, record
+
+
+def _over_bound(stats: dict) -> float:
+    return (stats["sim_time_fwd"] + stats["sim_time_bwd"]) / (stats["lower_bound_fwd"] + stats["lower_bound_bwd"])
+
+
+def check_batch(spec: MaskSpec, args: dict) -> tuple[dict, str | None]:
+    """({strategy: fwd + bwd over the bound}, None or what failed) of one batch."""
+    P, rpn = args["world_size"], args["ranks_per_node"]
+    kw = {k: v for k, v in args.items() if k not in ("world_size", "ranks_per_node")}
+    over, plans = {}, {}
+    for strategy in STRATEGIES:
+        plan = make_plan(spec, P, strategy=strategy, topology=Topology(ranks_per_node=rpn), check=True, **kw)
+        tokens = torch.cat([plan.local_tokens(r) for r in range(P)])
+        if not torch.equal(tokens.sort().values, torch.arange(spec.total_len)):
+            return over, f"{strategy}: the ranks' local tokens are not a partition of the batch"
+        over[strategy], plans[strategy] = _over_bound(plan.stats()), plan
+    if P > rpn:
+        promised = BASELINES + ("fcp",)
+    else:
+        tiles = TileSet.from_block_mask(spec.block_mask(plans["dcp"].block_size))
+        merged = coarsening_factor(tiles, P) > 1
+        promised = BASELINES if over["dcp"] > GOOD_ENOUGH and not merged else ()
+    faster = [s for s in promised if over[s] * (1 + 1e-9) < over["dcp"]]
+    return over, (f"dcp slower than {', '.join(faster)}" if faster else None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--batches", type=int, default=None, help="stop after this many batches (else --minutes)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "search_planner.json"))
+    opts = ap.parse_args()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(opts.seed)
+    wiki = np.loadtxt(SEQLENS, dtype=np.int64)
+    deadline = time.time() + 60 * opts.minutes
+    done, failures, slowest = 0, [], (0.0, None)
+    while (done < opts.batches) if opts.batches is not None else (time.time() < deadline):
+        spec, args, record = draw_batch(rng, wiki)
+        t0 = time.perf_counter()
+        try:
+            over, failure = check_batch(spec, args)
+        except Exception:  # (a planning error is a finding: recorded with its batch, the search goes on)
+            over, failure = {}, traceback.format_exc(limit=3)
+        seconds = time.perf_counter() - t0
+        if failure is not None:
+            failures.append(dict(record, failure=failure, over_bound=over))
+            print("FAIL", record, failure, flush=True)
+        if seconds > slowest[0]:
+            slowest = (seconds, record)
+        done += 1
+        clear_plan_cache()
+    report = {"seed": opts.seed, "batches": done, "failures": failures,
+              "slowest_batch": {"seconds_all_strategies": slowest[0], "batch": slowest[1]}}
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(opts.out).write_text(json.dumps(report, indent=1, default=str))
+    print(f"{done} batches, {len(failures)} failures -> {opts.out}")
+
+
+if __name__ == "__main__":
+    main()
