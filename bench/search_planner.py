@@ -11,6 +11,7 @@ where its plan is over GOOD_ENOUGH of the bound and the batch is planned on its 
 than the baselines. Session 41 ran 4310 such batches (docs/planner_log.md).
 
     python bench/search_planner.py [--seed 0] [--minutes 10 | --batches N] [--out bench/results/search_planner.json]
+                                   [--seqlens ../shared/data/wikipedia_seqlens.txt]
 """
 
 from __future__ import annotations
@@ -114,10 +115,11 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--batches", type=int, default=None, help="stop after this many batches (else --minutes)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "search_planner.json"))
+    ap.add_argument("--seqlens", default=str(SEQLENS), help="document lengths to draw from, one per line")
     opts = ap.parse_args()
     torch.set_num_threads(1)
     rng = np.random.default_rng(opts.seed)
-    wiki = np.loadtxt(SEQLENS, dtype=np.int64)
+    wiki = np.loadtxt(opts.seqlens, dtype=np.int64, ndmin=1)
     deadline = time.time() + 60 * opts.minutes
     done, failures, slowest = 0, [], (0.0, None)
     while (done < opts.batches) if opts.batches is not None else (time.time() < deadline):

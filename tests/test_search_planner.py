@@ -42,7 +42,10 @@ def test_the_search_writes_its_report(tmp_path, monkeypatch):
     batches = 2
     out = tmp_path / "search.json"
     # a seed whose first batches are small (the search draws up to 40K tokens on 64 ranks)
-    monkeypatch.setattr("sys.argv", ["search_planner.py", "--seed", "1", "--batches", str(batches), "--out", str(out)])
+    lengths = tmp_path / "seqlens.txt"  # (the shared Wikipedia lengths lie outside a fresh clone)
+    lengths.write_text("\n".join(str(n) for n in (3, 150, 700, 2400, 90)))
+    monkeypatch.setattr("sys.argv", ["search_planner.py", "--seed", "1", "--batches", str(batches), "--out", str(out),
+                                     "--seqlens", str(lengths)])
     monkeypatch.setattr(search, "WORLD_SIZES", (2, 3))
     search.main()
     report = json.loads(out.read_text())
