@@ -397,7 +397,8 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
     if init is not None or world_size == 1:
         return result
-    if one_node and coarsening_factor(tiles, world_size) > 1 and (
+    factor = coarsening_factor(tiles, world_size)
+    if one_node and factor > 1 and (
             result.merged_time is None or result.merged_time <= first_pass.GOOD_ENOUGH * bound):
         # a large batch on one node, planned on merged blocks within GOOD_ENOUGH of the bound: NVLink-bound,
         # the balanced candidates win. Further off (few heads or small blocks, where per-stage latency
@@ -418,7 +419,6 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         # Wikipedia batches with bf16 partials: 1.32 -> 1.22, 1.23 -> 1.20, 1.10 -> 1.03 x the bound)
         result = _restaged(tiles, result, world_size, cost_model, max_stages, sizes)
         steps.append(("restaging", result.sim_time))
-    factor = coarsening_factor(tiles, world_size)
     for name in BASELINE_INITS:
         if factor > 1:
             # A baseline's time barely depends on the block size (the same chunks, merged): one that is

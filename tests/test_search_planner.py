@@ -8,7 +8,7 @@ import numpy as np
 
 from bench_scripts import load_bench
 from blockattn.masks import MaskSpec
-from blockattn.planner import candidates, dcp
+from blockattn.planner import candidates, clear_plan_cache, dcp
 
 search = load_bench("search_planner")
 
@@ -30,8 +30,6 @@ def test_a_sliding_window_on_several_nodes_passes_and_fails_without_ring_among_t
     assert failure is None, (failure, over)
     for module in (candidates, dcp):  # (dcp.py imports the name)
         monkeypatch.setattr(module, "BASELINE_INITS", ("zigzag-ring", "zigzag-allgather"))
-    from blockattn.planner import clear_plan_cache
-
     clear_plan_cache()
     over, failure = search.check_batch(spec, args)
     clear_plan_cache()
