@@ -170,6 +170,21 @@ def _time_floor(rank: np.ndarray, flops: np.ndarray, world_size: int, cost_model
     return float((1 + cost_model.bwd_flops_factor) * busiest)
 
 
+def baseline_floors(tiles: TileSet, world_size: int, cost_model: CostModel, sizes: dict) -> dict:
+    """BASELINE_INITS name -> a floor under that baseline's simulated forward + backward time: its busiest
+    rank's compute, as every baseline computes a tile on its q-block's home (planner/baselines.py); from
+    the rows' pairs (``TileSet.row_pairs``: a batch planned on merged blocks has them from merging)."""
+    from .baselines import contiguous_home, zigzag_home
+
+    rows = tiles.row_pairs()
+    per_pair = cost_model.tile_flops(1, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
+    seconds = per_pair * (1 + cost_model.bwd_flops_factor) / cost_model.fwd_rate
+    zigzag = weighted_bincount(zigzag_home(tiles.num_blocks, world_size), rows, world_size).max()
+    ring = weighted_bincount(contiguous_home(tiles.num_blocks, world_size), rows, world_size).max()
+    return {"zigzag-ring": float(zigzag * seconds), "zigzag-allgather": float(zigzag * seconds),
+            "ring": float(ring * seconds)}
+
+
 def _relay_balanced(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, max_stages: int,
                     sizes: dict) -> Placement:
     """``placement``'s data placement rebalanced by a Balancer that counts a KV block already held on

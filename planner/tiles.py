@@ -126,8 +126,11 @@ def coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
 
 def _coarsen(tiles: TileSet, factor: int) -> tuple[TileSet, np.ndarray]:
     shift = factor.bit_length() - 1 if factor & (factor - 1) == 0 else -1  # (a power of two: shifts)
-    q, kv, pairs, n_full, of_fine = merge_tiles(tiles.q, tiles.kv, tiles.full, tiles.pairs, factor, shift,
-                                                tiles.num_blocks)
+    q, kv, pairs, n_full, of_fine, row_pairs = merge_tiles(tiles.q, tiles.kv, tiles.full, tiles.pairs, factor, shift,
+                                                           tiles.num_blocks)
+    if "_row_pairs" not in tiles.__dict__:  # (``row_pairs``' memo, summed by the same pass)
+        row_pairs.setflags(write=False)
+        object.__setattr__(tiles, "_row_pairs", row_pairs)
     coarse = TileSet(total_len=tiles.total_len, block_size=tiles.block_size * factor,
                      num_blocks=-(-tiles.num_blocks // factor), q=q, kv=kv, full=n_full == factor * factor, pairs=pairs)
     return coarse, of_fine

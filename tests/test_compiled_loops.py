@@ -121,13 +121,20 @@ def test_weighted_bincount_sums_as_numpy_does(seed, size, n):
 @given(lens=st.lists(st.integers(1, 700), min_size=1, max_size=6), block=st.sampled_from([16, 64, 128]))
 def test_row_pairs_are_each_q_blocks_pairs_read_only_and_kept(lens, block):
     from blockattn.masks import MaskSpec
-    from blockattn.planner.tiles import TileSet
+    from blockattn.planner.tiles import TileSet, coarsen
 
     tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(block))
     row = tiles.row_pairs()
     assert np.array_equal(row, np.bincount(tiles.q, weights=tiles.pairs, minlength=tiles.num_blocks))
     assert row.sum() == sum(n * (n + 1) // 2 for n in lens)  # (causal documents: every pair counted once)
     assert not row.flags.writeable and tiles.row_pairs() is row
+    # merging the blocks sums the real rows too, and a new TileSet takes them as its memo from there
+    fresh = TileSet(total_len=tiles.total_len, block_size=tiles.block_size, num_blocks=tiles.num_blocks,
+                    q=tiles.q, kv=tiles.kv, full=tiles.full, pairs=tiles.pairs)
+    coarsen(fresh, 2)
+    assert "_row_pairs" in fresh.__dict__
+    merged_row = fresh.row_pairs()
+    assert merged_row.dtype == np.float64 and np.array_equal(merged_row, row) and not merged_row.flags.writeable
 
 
 def _split_numpy(stage, kv, rank, home, compute, comm_time, world_size, num_stages):
@@ -321,7 +328,7 @@ def test_inherit_merged_matches_its_numpy_form(seed, lens, shift, gather):
 
     tiles = TileSet.from_block_mask(MaskSpec.documents(lens).block_mask(16))
     factor = 1 << shift
-    merged_q, _, _, _, of_real = merge_tiles(tiles.q, tiles.kv, tiles.full, tiles.pairs, factor, shift,
+    merged_q, _, _, _, of_real, _ = merge_tiles(tiles.q, tiles.kv, tiles.full, tiles.pairs, factor, shift,
                                              tiles.num_blocks)
     m = merged_q.size
     rng = np.random.default_rng(seed)
