@@ -176,13 +176,12 @@ def baseline_floors(tiles: TileSet, world_size: int, cost_model: CostModel, size
     the rows' pairs (``TileSet.row_pairs``: a batch planned on merged blocks has them from merging)."""
     from .baselines import contiguous_home, zigzag_home
 
-    rows = tiles.row_pairs()
+    # (each block's row as one "tile" on its home: ``_time_floor`` of the blocks)
     per_pair = cost_model.tile_flops(1, num_q_heads=sizes["num_q_heads"], head_dim=sizes["head_dim"])
-    seconds = per_pair * (1 + cost_model.bwd_flops_factor) / cost_model.fwd_rate
-    zigzag = weighted_bincount(zigzag_home(tiles.num_blocks, world_size), rows, world_size).max()
-    ring = weighted_bincount(contiguous_home(tiles.num_blocks, world_size), rows, world_size).max()
-    return {"zigzag-ring": float(zigzag * seconds), "zigzag-allgather": float(zigzag * seconds),
-            "ring": float(ring * seconds)}
+    row_flops = tiles.row_pairs() * per_pair
+    zigzag = _time_floor(zigzag_home(tiles.num_blocks, world_size), row_flops, world_size, cost_model)
+    ring = _time_floor(contiguous_home(tiles.num_blocks, world_size), row_flops, world_size, cost_model)
+    return {"zigzag-ring": zigzag, "zigzag-allgather": zigzag, "ring": ring}
 
 
 def _relay_balanced(tiles: TileSet, placement: Placement, world_size: int, cost_model: CostModel, max_stages: int,

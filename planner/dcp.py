@@ -350,10 +350,9 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     return replace(result, search=tuple(steps))
 
 
-def _rivals(tiles: TileSet, world_size: int, time: float, cost_model: CostModel, sizes: dict) -> list:
+def _rivals(floors: dict, time: float) -> list:
     """The BASELINE_INITS whose floor (``baseline_floors``: the busiest rank's compute) lies RIVAL_GAIN below
     ``time``: the only ones that could be that much faster than a plan taking that long."""
-    floors = baseline_floors(tiles, world_size, cost_model, sizes)
     return [name for name in BASELINE_INITS if floors[name] * (1 + RIVAL_GAIN) < time]
 
 
@@ -414,6 +413,7 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
     if init is not None or world_size == 1:
         return result
     factor = coarsening_factor(tiles, world_size)
+    floors = baseline_floors(tiles, world_size, cost_model, sizes)
     if one_node and factor > 1 and (
             result.merged_time is None or result.merged_time <= first_pass.GOOD_ENOUGH * bound):
         # a large batch on one node, planned on merged blocks within GOOD_ENOUGH of the bound: NVLink-bound,
@@ -425,11 +425,11 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         # blocks merged 8x or more far less: the rivals are then weighed again). Further off
         # (few heads or small blocks, where per-stage latency counts: a 4.8K-token causal batch in blocks
         # of 16 on 4 ranks, 2.80x the bound against allgather's 2.02x) it is scored and checked as below.
-        if result.merged_time is None or not _rivals(tiles, world_size, result.merged_time, cost_model, sizes):
+        if result.merged_time is None or not _rivals(floors, result.merged_time):
             return result
         scored = _scored(tiles, result, world_size, cost_model, sizes)
         kept = scored
-        for name in _rivals(tiles, world_size, scored.sim_time, cost_model, sizes):
+        for name in _rivals(floors, scored.sim_time):
             base, base_time = _place(tiles, world_size, name, cost_model, max_stages, sizes)
             if base_time < kept.sim_time:
                 kept = base
@@ -449,7 +449,7 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
     if one_node and result.sim_time <= first_pass.GOOD_ENOUGH * bound:
         # one node, near the bound: nothing to gain but what a baseline whose busiest rank computes for
         # less would give
-        rivals = _rivals(tiles, world_size, result.sim_time, cost_model, sizes)
+        rivals = _rivals(floors, result.sim_time)
         if not rivals:
             return result
     elif one_node:
@@ -457,7 +457,6 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         # Wikipedia batches with bf16 partials: 1.32 -> 1.22, 1.23 -> 1.20, 1.10 -> 1.03 x the bound)
         result = _restaged(tiles, result, world_size, cost_model, max_stages, sizes)
         steps.append(("restaging", result.sim_time))
-    floors = baseline_floors(tiles, world_size, cost_model, sizes)
     for name in rivals:
         if floors[name] >= result.sim_time:
             continue  # its busiest rank computes for longer than this plan takes: it cannot be faster

@@ -50,9 +50,9 @@ def merge_tiles(q, kv, full, pairs, factor, shift, num_blocks):
     """The tiles of blocks merged ``factor`` at a time, from (q, kv)-sorted real tiles: (merged q, merged
     kv, each merged tile's real-tile pairs summed, its count of full real tiles, each real tile's merged
     tile, each real q-block's pairs summed as float64 [num_blocks]: ``TileSet.row_pairs`` of the real
-    tiles, summed on the way), merged tiles sorted by (q, kv). A merged row's columns are marked on a presence table over its
-    span only (sized like the mask's band, not nB ** 2), a real row's columns by their range where they
-    are one run (a store per merged column instead of a test per tile: 0.69 -> 0.39 ms on 164K tiles
+    tiles, summed on the way), merged tiles sorted by (q, kv). A merged row's columns are marked on a
+    presence table over its span only (sized like the mask's band, not nB ** 2), a real row's columns by
+    their range where they are one run (a store per merged column instead of a test per tile: 0.69 -> 0.39 ms on 164K tiles
     merged 4x). ``shift``: log2(factor) where it is a power of two, else -1."""
     n = q.size
     num_merged_blocks = (num_blocks + factor - 1) // factor

@@ -298,17 +298,23 @@ def test_dcp_checks_the_baselines_of_a_batch_planned_on_merged_blocks_far_from_t
     assert over["dcp"] <= min(over["zigzag"], over["allgather"], over["ring"]) * (1 + 1e-9), over
 
 
-def test_dcp_weighs_a_baseline_whose_busiest_rank_computes_for_less_than_its_merged_plan_takes(monkeypatch):
-    # One causal document of 100K tokens on 8 ranks, planned on 2x-merged blocks: "fcp-docs"' zigzag
-    # pairs of merged blocks spread the ranks' loads 0.97-1.02, and within GOOD_ENOUGH of the bound the
-    # plan was kept unchecked at 1.0199x the bound against zigzag's 1.0032x. zigzag's busiest rank
-    # computes for less than that (``baseline_floors``), so it is now planned at full resolution and kept.
+def _record_placements(monkeypatch) -> list:
+    """The names dcp's steps pass to ``_place`` (planner/dcp.py), in order, from now on."""
     from blockattn.planner import dcp as dcp_module
 
     planned = []
     place = dcp_module._place
     monkeypatch.setattr(dcp_module, "_place", lambda tiles, P, name, *a, **k: planned.append(name) or
                         place(tiles, P, name, *a, **k))
+    return planned
+
+
+def test_dcp_weighs_a_baseline_whose_busiest_rank_computes_for_less_than_its_merged_plan_takes(monkeypatch):
+    # One causal document of 100K tokens on 8 ranks, planned on 2x-merged blocks: "fcp-docs"' zigzag
+    # pairs of merged blocks spread the ranks' loads 0.97-1.02, and within GOOD_ENOUGH of the bound the
+    # plan was kept unchecked at 1.0199x the bound against zigzag's 1.0032x. zigzag's busiest rank
+    # computes for less than that (``baseline_floors``), so it is now planned at full resolution and kept.
+    planned = _record_placements(monkeypatch)
     spec = MaskSpec.causal(100000)
     over = {strategy: _over_bound(make_plan(spec, 8, strategy=strategy, **HEADS).stats())
             for strategy in ("dcp", "zigzag", "allgather")}
@@ -322,10 +328,7 @@ def test_dcp_plans_no_baseline_whose_busiest_rank_computes_within_rival_gain_of_
     # the plan scored at full resolution would cost more than the plan for at most 0.02%
     from blockattn.planner import dcp as dcp_module
 
-    planned = []
-    place = dcp_module._place
-    monkeypatch.setattr(dcp_module, "_place", lambda tiles, P, name, *a, **k: planned.append(name) or
-                        place(tiles, P, name, *a, **k))
+    planned = _record_placements(monkeypatch)
     monkeypatch.setattr(dcp_module, "_scored", lambda *a, **k: pytest.fail("scored at full resolution"))
     plan = make_plan(MaskSpec.causal(65536), 8, **HEADS)
     assert planned == [] and _over_bound(plan.stats()) < 1 + dcp_module.RIVAL_GAIN
