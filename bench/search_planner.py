@@ -87,7 +87,7 @@ def draw_batch(rng: np.random.Generator, wiki: np.ndarray) -> tuple[MaskSpec, di
 
 
 def _over_bound(stats: dict) -> float:
-    return (stats["sim_time_fwd"] + stats["sim_time_bwd"]) / (stats["lower_bound_fwd"] + stats["lower_bound_bwd"])
+    return stats["sim_over_bound"]
 
 
 def check_batch(spec: MaskSpec, args: dict) -> tuple[dict, str | None]:

@@ -201,6 +201,8 @@ class Plan:
             result[f"sim_time_{direction}_per_rank"] = per_rank.tolist()
             result[f"sim_time_{direction}"] = float(per_rank.max()) if P else 0.0
             result[f"lower_bound_{direction}"] = float(flops.sum()) * factor / (P * cm.fwd_rate)
+        bound = result["lower_bound_fwd"] + result["lower_bound_bwd"]
+        result["sim_over_bound"] = (result["sim_time_fwd"] + result["sim_time_bwd"]) / bound if bound > 0 else 1.0
         per_rank_flops = np.asarray(result["flops_fwd"])
         mean = per_rank_flops.mean()
         result["compute_imbalance"] = float(per_rank_flops.max() / mean) if mean > 0 else 1.0
@@ -220,7 +222,8 @@ class Plan:
     def stats(self) -> dict:
         """Per-rank ``tokens, flops_fwd, bytes_sent_fwd, bytes_recv_fwd, bytes_sent_bwd, bytes_recv_bwd``
         (lists over ranks) and ``sim_time_fwd / sim_time_bwd`` (max over ranks, seconds, see
-        planner/cost_model.py), ``lower_bound_fwd / _bwd``, imbalances, transfer counts and
+        planner/cost_model.py), ``lower_bound_fwd / _bwd`` (total FLOPs over P ranks at the compute rate),
+        ``sim_over_bound`` (fwd + bwd simulated time over fwd + bwd bound: 1.0 is ideal), imbalances, transfer counts and
         ``kv_relays`` (KV transfers whose source is a relay, not the home). Bytes are the sums of
         the CommSchedule rows, i.e. exactly what the executor sends; ``bytes_inter_node_fwd / _bwd``
         are those of rows between nodes (the slow links; a relay's NVLink hop counts in ``bytes_*``
@@ -258,8 +261,8 @@ class Plan:
         """``search`` as [step, fwd + bwd time of the plan kept after it over the lower bound] (a step
         with no time of its own: this plan's)."""
         s = self._stats
-        bound, final = s["lower_bound_fwd"] + s["lower_bound_bwd"], s["sim_time_fwd"] + s["sim_time_bwd"]
-        return [[step, (final if seconds is None else seconds) / bound] for step, seconds in self.search]
+        bound = s["lower_bound_fwd"] + s["lower_bound_bwd"]
+        return [[step, s["sim_over_bound"] if seconds is None else seconds / bound] for step, seconds in self.search]
 
     def __repr__(self) -> str:
         return (f"Plan(strategy={self.strategy!r}, world_size={self.world_size}, total_len={self.total_len}, "

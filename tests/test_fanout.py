@@ -21,8 +21,7 @@ HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 
 
 def _over_bound(plan) -> float:
-    s = plan.stats()
-    return (s["sim_time_fwd"] + s["sim_time_bwd"]) / (s["lower_bound_fwd"] + s["lower_bound_bwd"])
+    return plan.stats()["sim_over_bound"]
 
 
 def _question_kv_from_homes(plan, blocks) -> int:
