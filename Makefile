@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench-planner bench-planner-phases bench-hypergraph kernel-report clean
+.PHONY: install test demo bench-planner bench-planner-phases bench-hypergraph bench-effort kernel-report clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ bench-planner-phases: $(STAMP)
 
 bench-hypergraph: $(STAMP)
 	$(BIN)/python bench/bench_hypergraph.py
+
+bench-effort: $(STAMP)
+	$(BIN)/python bench/bench_effort.py
 
 kernel-report: $(STAMP)
 	$(BIN)/python bench/kernel_report.py

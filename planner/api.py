@@ -62,6 +62,9 @@ def _strategies() -> dict:
 
 
 STRATEGIES = ("dcp", "fcp", "ring", "zigzag", "allgather", "hypergraph")
+# dcp's search: "full" runs every pass of planner/dcp.py; "fast" stops after the NIC-shy and spread passes
+# (and the fcp strategy's plan), skipping the later passes (planner/dcp.py FAST_SKIPS)
+EFFORTS = ("full", "fast")
 
 
 def default_block_size(total_len: int, world_size: int, mask_spec=None) -> int:
@@ -116,7 +119,7 @@ GRAD_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     block_size: int | None, strategy: str, topology: Topology | None, max_stages: int,
-                    grad_comm_dtype: torch.dtype = torch.float32) -> tuple:
+                    grad_comm_dtype: torch.dtype = torch.float32, effort: str = "full") -> tuple:
     """Validate make_plan's arguments other than the mask (TypeError / ValueError naming the bad one);
     returns (world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology) normalized."""
     world_size = _check_positive_int("world_size", world_size)
@@ -139,6 +142,9 @@ def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, hea
                          "use torch.bfloat16 or torch.float32 for the gradient partials")
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if not isinstance(effort, str) or effort not in EFFORTS:
+        raise ValueError(f"unknown effort {effort!r}; choose \"full\" (default: dcp's whole search) or \"fast\" "
+                         "(dcp without its later passes: about half the planning time on several nodes)")
     if block_size is not None:
         _check_positive_int("block_size", block_size)
     if topology is None:
@@ -158,7 +164,7 @@ def check_mask_spec(mask_spec) -> None:
 def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
               dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
               topology: Topology | None = None, max_stages: int = 4, grad_comm_dtype: torch.dtype = torch.float32,
-              check: bool = True) -> Plan:
+              effort: str = "full", check: bool = True) -> Plan:
     """Plan one batch: which rank holds each token block, which rank computes each non-empty tile
     in which stage, and every transfer that implies (see docs/design.md, "Plan").
 
@@ -175,6 +181,11 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     them in fp32. fp32 (default) keeps the backward as exact as on one device; torch.bfloat16 halves
     the backward's largest transfers for one rounding per partial (as TransformerEngine's CP sends dK/dV);
     torch.float16 only with dtype=torch.float16 (its range could overflow otherwise).
+    ``effort`` (dcp; the other strategies plan the same either way): "full" (default) runs dcp's whole
+    search; "fast" stops after its first pass, the baselines' check, the second opinion, the backward
+    deferral and the NIC-shy and spread passes, skipping the later ones (deal and leveling passes,
+    fan-out, polishes, re-plans: planner/dcp.py FAST_SKIPS): about half the planning time on several
+    nodes for a few percent more simulated time (README, "Planning effort").
     ``check``: verify the plan's consistency (planner/check.py ``check_plan``) before returning.
     To keep planning out of the training step, plan the next batches ahead with ``PlanAhead``
     (planner/ahead.py), which runs this function in a worker process.
@@ -182,7 +193,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology = check_plan_args(
         world_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
         block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages,
-        grad_comm_dtype=grad_comm_dtype)
+        grad_comm_dtype=grad_comm_dtype, effort=effort)
     check_mask_spec(mask_spec)
     total_len = int(mask_spec.total_len)
     if block_size is None:
@@ -190,7 +201,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     block_size = _check_positive_int("block_size", block_size)
 
     key = (mask_spec.signature(), world_size, num_q_heads, num_kv_heads, head_dim, str(dtype), block_size,
-           strategy, topology.key(), max_stages, str(grad_comm_dtype))
+           strategy, topology.key(), max_stages, str(grad_comm_dtype), effort if strategy == "dcp" else "full")
     cached = _cache.get(key)
     if cached is not None:
         _cache.move_to_end(key)
@@ -202,7 +213,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     placement = _strategies()[strategy](
         tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize,
-        max_stages=max_stages)
+        max_stages=max_stages, **({"effort": effort} if strategy == "dcp" else {}))
     plan = build_plan(tiles, placement, strategy=strategy, world_size=world_size, num_q_heads=num_q_heads,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                       mask_signature=mask_spec.signature(), cost_model=cost_model, grad_comm_dtype=grad_comm_dtype)

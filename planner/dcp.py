@@ -216,11 +216,20 @@ SEARCH_STEPS = ("candidates", "restaging", "baselines", "second opinion", "backw
                 "NIC-shy and spread passes", "deal pass", "leveling pass", "fan-out", "polish",
                 "re-plan weighing exposed transfers",
                 "re-plan with duplex links", "the fcp strategy's plan")
+# The steps ``effort="fast"`` skips: those after the NIC-shy and spread passes but the fcp strategy's plan.
+# Measured on the 1M / 64 Wikipedia batches and the 128K batches of ``bench/bench_effort.py --quick`` on
+# 32 / 8 and 16 / 4 (16 plans, fp32 partials), fwd + bwd over the bound geomean and planning time in all:
+# every step 1.095, ~41 s; these skipped 1.141, 21.7 s (1M / 64: 1.125 -> 1.150x for 7 -> 3.0 s, 1.065 ->
+# 1.128x for 4.1 -> 1.8 s); the NIC-shy and spread passes skipped too 1.187, 12.8 s, but several-node
+# plans whose NICs bind lose most there (long-tail causal on 32 / 8: 1.114 / 1.304 / 1.525x); only the
+# polishes and re-plans skipped 1.125, 29 s.
+FAST_SKIPS = ("deal pass", "leveling pass", "fan-out", "polish", "re-plan weighing exposed transfers",
+              "re-plan with duplex links")
 
 
 def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
         head_dim: int, element_size: int, max_stages: int, init: str | None = None, grad_element_size: int = 4,
-        polish: bool = True, memo: dict | None = None, **_) -> Placement:
+        polish: bool = True, memo: dict | None = None, effort: str = "full", **_) -> Placement:
     """DCP placement (see module docstring). ``init`` forces one initial data placement ("contiguous",
     "hierarchical", "hierarchical-fcp", "hierarchical-fcp-wide", "zigzag", "fcp", "fcp-docs", "dealt",
     "dealt-nodes"); by default the candidates of SINGLE_NODE_INITS / MULTI_NODE_INITS are planned in
@@ -245,8 +254,9 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     fastest kept. Then the fcp strategy's own plan as it is, where faster (on one node, only for a plan
     not within GOOD_ENOUGH of the bound, and where worth its bytes). ``memo``: what this call and its
     re-plans share, none of it read off the balancer settings a re-plan changes: the polished plans,
-    by content (``_polished``), and the fcp strategy's plan. The result records the steps that ran, each
-    with its kept plan's simulated time (``Placement.search``, shown by ``Plan.explain``)."""
+    by content (``_polished``), and the fcp strategy's plan. ``effort="fast"``: none of the steps in
+    FAST_SKIPS. The result records the steps that ran, each with its kept plan's simulated time
+    (``Placement.search``, shown by ``Plan.explain``)."""
     sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, element_size=element_size,
                  grad_element_size=grad_element_size)
     memo = {} if memo is None else memo
@@ -262,30 +272,32 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     steps.append(("backward deferral", result.sim_time))
     bound = _lower_bound(tiles, world_size, cost_model, sizes)
     multi_node = world_size > cost_model.topology.ranks_per_node
+    skipped = FAST_SKIPS if effort == "fast" else ()
+    runs = lambda step: init is None and step not in skipped  # noqa: E731
     beaten = []
     turned_down = None
-    if init is None and multi_node and result.sim_time > passes.NIC_SHY_FROM * bound:
+    if runs("NIC-shy and spread passes") and multi_node and result.sim_time > passes.NIC_SHY_FROM * bound:
         before = result
         result = _nic_passes(tiles, result, world_size, cost_model, max_stages, sizes, bound)
         steps.append(("NIC-shy and spread passes", result.sim_time))
         if result is not before:
             beaten.append(before)
-    if init is None and world_size > 1 and result.sim_time > passes.DEAL_PASS_FROM * bound:
+    if runs("deal pass") and world_size > 1 and result.sim_time > passes.DEAL_PASS_FROM * bound:
         before = result
         result, turned_down = _deal_pass(tiles, result, world_size, cost_model, max_stages, sizes)
         steps.append(("deal pass", result.sim_time))
         if result is not before:
             beaten.append(before)
-    if passes.LEVEL_PASS and init is None and multi_node and result.sim_time > passes.LEVEL_FROM * bound:
+    if passes.LEVEL_PASS and runs("leveling pass") and multi_node and result.sim_time > passes.LEVEL_FROM * bound:
         before = result
         result = _level_pass(tiles, result, world_size, cost_model, max_stages, sizes)
         steps.append(("leveling pass", result.sim_time))
         if result is not before:
             beaten.append(before)
     replan_from = REPLAN_FROM if multi_node else REPLAN_FROM_ONE_NODE
-    replan = (init is None and world_size > 1 and result.sim_time > replan_from * bound
+    replan = (runs("re-plan weighing exposed transfers") and world_size > 1 and result.sim_time > replan_from * bound
               and cost_model.balance_overlap == 0 and not cost_model.balance_duplex)
-    if (FANOUT and init is None and not multi_node and result.sim_time > POLISH_FROM_ONE_NODE * bound
+    if (FANOUT and runs("fan-out") and not multi_node and result.sim_time > POLISH_FROM_ONE_NODE * bound
             and as_relay_table(result.kv_relay).shape[0] == 0):
         # (after the deal pass: a fan-out pays where the widely read blocks' homes no longer compute
         # more than their share)
@@ -298,7 +310,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
                 result = alt
         steps.append(("fan-out", result.sim_time))
     polish_from = POLISH_FROM_MULTI_NODE if multi_node else POLISH_FROM_ONE_NODE
-    if polish and init is None and result.sim_time > polish_from * bound:
+    if polish and runs("polish") and result.sim_time > polish_from * bound:
         # last, on the kept plan and the runner-up (every choice above compares plans as staged); the
         # re-plan below is decided on the time before it, and its plan is polished too
         close = [p for p in beaten if p.sim_time < (1 + POLISH_RUNNER_UP) * result.sim_time]
@@ -312,15 +324,15 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         steps.append(("polish", result.sim_time))
     if replan:
         # planned again from the start with the balancer weighing exposed transfers (REPLAN_OVERLAP)
-        again = dcp(tiles, world_size, cost_model=replace(cost_model, balance_overlap=REPLAN_OVERLAP),
-                    max_stages=max_stages, polish=polish, memo=memo, **sizes)
+        again = _replanned(tiles, world_size, cost_model, max_stages, sizes, polish, memo, effort,
+                           balance_overlap=REPLAN_OVERLAP)
         if again.sim_time < result.sim_time:
             result = again
         steps.append(("re-plan weighing exposed transfers", result.sim_time))
-        if REPLAN_DUPLEX and not multi_node:
+        if REPLAN_DUPLEX and runs("re-plan with duplex links") and not multi_node:
             # kept by the bytes rule too: the duplex view spreads the compute of blocks many ranks read
-            again = dcp(tiles, world_size, cost_model=replace(cost_model, balance_duplex=True),
-                        max_stages=max_stages, polish=polish, memo=memo, **sizes)
+            again = _replanned(tiles, world_size, cost_model, max_stages, sizes, polish, memo, effort,
+                               balance_duplex=True)
             if again.sim_time < result.sim_time and _worth_its_bytes(tiles, again, result, sizes):
                 result = again
             steps.append(("re-plan with duplex links", result.sim_time))
@@ -348,6 +360,20 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
                 result = alt
             steps.append(("the fcp strategy's plan", result.sim_time))
     return replace(result, search=tuple(steps))
+
+
+def _replanned(tiles: TileSet, world_size: int, cost_model: CostModel, max_stages: int, sizes: dict, polish: bool,
+               memo: dict, effort: str, **balancer_setting) -> Placement:
+    """dcp planned again from the start with the cost model's balancer ``balancer_setting`` (a re-plan), scored:
+    on one node a large batch planned on merged blocks within GOOD_ENOUGH of the bound comes back
+    unscored (make_plan scores it), and a re-plan can get there where the first plan did not (32 ranks,
+    125K tokens of three documents under a lambda mask in blocks of 32, 4 heads: a TypeError comparing
+    its None time, before)."""
+    again = dcp(tiles, world_size, cost_model=replace(cost_model, **balancer_setting), max_stages=max_stages,
+                polish=polish, memo=memo, effort=effort, **sizes)
+    if again.sim_time is None:
+        again = _scored(tiles, again, world_size, cost_model, sizes)
+    return again
 
 
 def _rivals(floors: dict, time: float) -> list:

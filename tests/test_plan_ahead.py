@@ -67,6 +67,8 @@ def test_bad_input_is_refused_before_planning(planner):
         PlanAhead(4, strategy="ring-of-fire", **HEADS)
     with pytest.raises(ValueError, match="workers"):
         PlanAhead(4, workers=0, **HEADS)
+    with pytest.raises(ValueError, match="unknown effort"):
+        PlanAhead(4, effort="thorough", **HEADS)
     with pytest.raises(TypeError, match="module-level function"):
         planner.submit(MaskSpec.from_mask_mod(lambda q, k: k <= q, 50))
     with pytest.raises(TypeError, match="must be a blockattn MaskSpec"):

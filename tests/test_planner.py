@@ -179,6 +179,8 @@ def test_the_plan_cache_keeps_to_its_byte_budget_and_always_the_newest_plan(monk
         (dict(world_size=0), ValueError, "world_size"),
         (dict(world_size=2.0), TypeError, "world_size"),
         (dict(strategy="metis"), ValueError, "unknown strategy"),
+        (dict(effort="quality"), ValueError, "unknown effort 'quality'; choose \"full\""),
+        (dict(effort=None), ValueError, "unknown effort"),
         (dict(block_size=0), ValueError, "block_size"),
         (dict(block_size=-16), ValueError, "block_size"),
         (dict(num_q_heads=6, num_kv_heads=4), ValueError, "multiple of num_kv_heads"),

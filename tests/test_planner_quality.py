@@ -671,6 +671,44 @@ def test_nic_shy_and_spread_passes_take_rounds(monkeypatch, skip_replan, skip_de
     assert rounds < 0.95 * one
 
 
+def test_a_one_node_replan_planned_on_merged_blocks_near_the_bound_is_scored():
+    """32 ranks on one node, three documents (126K tokens) under a lambda mask in blocks of 32, 4 heads of 128:
+    the plan is 1.069x the bound, so dcp re-plans it (REPLAN_FROM_ONE_NODE), and the re-plan, on merged
+    blocks within GOOD_ENOUGH of the bound, came back unscored (make_plan scores such a plan): comparing
+    its time raised a TypeError. It is now scored and kept where faster: 1.036x. Found by a search over
+    one-node batches planned on merged blocks."""
+    spec = MaskSpec.documents([50638, 28941, 46299]) & MaskSpec.lambda_mask(125878, 18, 1349)
+    plan = make_plan(spec, 32, block_size=32, topology=Topology(ranks_per_node=32), num_q_heads=4, num_kv_heads=4,
+                     head_dim=128)  # checked
+    steps = dict(plan.search_over_bound())
+    assert steps["re-plan weighing exposed transfers"] < 0.98 * steps["candidates"], steps
+    assert _over_bound(plan.stats()) == pytest.approx(steps["re-plan with duplex links"])
+
+
+def test_fast_effort_stops_dcps_search_after_the_nic_passes():
+    """``make_plan(effort="fast")``: dcp's first pass, baselines, second opinion, backward deferral and NIC-shy
+    and spread passes, then the fcp strategy's plan, and none of its later passes (FAST_SKIPS). 8 ranks, 4
+    per node, 30K tokens of long-tail documents, lambda mask: the full search's deal pass and polish take
+    it 1.202 -> 1.033x the bound, in ~4x the planning time. Either plan is checked (make_plan's default)
+    and no slower than the baselines and the fcp strategy; the two are cached apart, and the other
+    strategies plan the same at either effort."""
+    from blockattn.planner.dcp import FAST_SKIPS
+
+    spec = MaskSpec.documents(long_tail_docs(16, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
+    kw = dict(block_size=128, topology=Topology(ranks_per_node=4), **HEADS)
+    full, fast = make_plan(spec, 8, **kw), make_plan(spec, 8, effort="fast", **kw)
+    full_steps, fast_steps = [step for step, _ in full.search], [step for step, _ in fast.search]
+    assert set(full_steps) & set(FAST_SKIPS) and not set(fast_steps) & set(FAST_SKIPS)
+    shared = full_steps.index("NIC-shy and spread passes") + 1
+    assert fast.search[:shared] == full.search[:shared]  # the same search up to there, with the same plans
+    over = {"full": _over_bound(full.stats()), "fast": _over_bound(fast.stats())}
+    assert over["full"] < 0.9 * over["fast"], over
+    for strategy in ("zigzag", "allgather", "ring", "fcp"):
+        baseline = make_plan(spec, 8, strategy=strategy, **kw)
+        assert over["fast"] <= _over_bound(baseline.stats()) * (1 + 1e-9), strategy
+        assert make_plan(spec, 8, strategy=strategy, effort="fast", **kw) is baseline
+
+
 @pytest.mark.parametrize("total,seed,mask", [(24_000, 15, "lambda"), (24_000, 20, "causal"), (30_000, 20, "causal")])
 def test_dcp_last_passes_only_add_candidates(monkeypatch, skip_deal_pass, total, seed, mask):
     """dcp's last passes each weigh more starts against the plan they get and keep the faster, so each
