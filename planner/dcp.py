@@ -273,7 +273,11 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     bound = _lower_bound(tiles, world_size, cost_model, sizes)
     multi_node = world_size > cost_model.topology.ranks_per_node
     skipped = FAST_SKIPS if effort == "fast" else ()
-    runs = lambda step: init is None and step not in skipped  # noqa: E731
+
+    def runs(step: str) -> bool:
+        """Whether the search runs ``step`` (where its condition holds): none with a forced init."""
+        return init is None and step not in skipped
+
     beaten = []
     turned_down = None
     if runs("NIC-shy and spread passes") and multi_node and result.sim_time > passes.NIC_SHY_FROM * bound:

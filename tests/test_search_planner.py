@@ -20,6 +20,8 @@ def test_the_same_seed_draws_the_same_batches():
     records = [search.draw_batch(rng, wiki)[2] for _ in range(30)]
     assert all(1 <= r["world_size"] <= 64 and r["tokens"] >= 1 for r in records)
     assert len({r["mask"] for r in records}) > 3
+    large = [r for r in records if r["tokens"] > 40000]  # (one in eight: one node, planned on merged blocks)
+    assert large and all(r["ranks_per_node"] == r["world_size"] >= 2 and r["block_size"] in (None, 128) for r in large)
 
 
 def test_a_sliding_window_on_several_nodes_passes_and_fails_without_ring_among_the_baselines(monkeypatch):
