@@ -696,6 +696,7 @@ def test_fast_effort_stops_dcps_search_after_the_nic_passes():
 
     spec = MaskSpec.documents(long_tail_docs(16, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
     kw = dict(block_size=128, topology=Topology(ranks_per_node=4), **HEADS)
+    clear_plan_cache()  # (tests above plan this batch with some of dcp's settings patched)
     full, fast = make_plan(spec, 8, **kw), make_plan(spec, 8, effort="fast", **kw)
     full_steps, fast_steps = [step for step, _ in full.search], [step for step, _ in fast.search]
     assert set(full_steps) & set(FAST_SKIPS) and not set(fast_steps) & set(FAST_SKIPS)
