@@ -185,7 +185,8 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     search; "fast" stops after its first pass, the baselines' check, the second opinion, the backward
     deferral and the NIC-shy and spread passes, skipping the later ones (deal and leveling passes,
     fan-out, polishes, re-plans: planner/dcp.py FAST_SKIPS): about half the planning time on several
-    nodes for a few percent more simulated time (README, "Planning effort").
+    nodes for 2-10% more simulated time in geomean, up to 28% on a 1M-token batch (README, "Planning
+    effort").
     ``check``: verify the plan's consistency (planner/check.py ``check_plan``) before returning.
     To keep planning out of the training step, plan the next batches ahead with ``PlanAhead``
     (planner/ahead.py), which runs this function in a worker process.
