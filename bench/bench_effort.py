@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench_planner import BLOCK, HEADS, SEQLENS, draw_batches, make_masks, wiki_batch
+from bench_planner import BLOCK, HEADS, SEQLENS, _geomean, draw_batches, make_masks, wiki_batch
 from blockattn.masks import MaskSpec
 from blockattn.planner import Topology, clear_plan_cache, make_plan
 
@@ -53,14 +53,11 @@ def plan_both(spec: MaskSpec, world_size: int, ranks_per_node: int) -> dict:
 def summarize(rows: list) -> dict:
     """Geomean / max over the bound per effort, how many plans differ, median planning time and the median
     per-case ratio of full to fast planning time."""
-    def geomean(x):
-        return float(np.exp(np.mean(np.log(x))))
-
     over = {e: np.array([r[e]["over_bound"] for r in rows]) for e in EFFORTS}
     secs = {e: np.array([r[e]["plan_s"] for r in rows]) for e in EFFORTS}
     return {"cases": len(rows),
             "plans_differ": int(sum(r["full"]["fingerprint"] != r["fast"]["fingerprint"] for r in rows)),
-            **{f"{e}_over_bound_geomean": geomean(over[e]) for e in EFFORTS},
+            **{f"{e}_over_bound_geomean": _geomean(over[e]) for e in EFFORTS},
             **{f"{e}_over_bound_max": float(over[e].max()) for e in EFFORTS},
             "fast_over_full_max": float((over["fast"] / over["full"]).max()),
             **{f"{e}_plan_s_median": float(np.median(secs[e])) for e in EFFORTS},

@@ -92,10 +92,6 @@ def draw_batch(rng: np.random.Generator, wiki: np.ndarray) -> tuple[MaskSpec, di
     return spec, args, record
 
 
-def _over_bound(stats: dict) -> float:
-    return stats["sim_over_bound"]
-
-
 def check_batch(spec: MaskSpec, args: dict) -> tuple[dict, str | None]:
     """({strategy: fwd + bwd over the bound}, None or what failed) of one batch."""
     P, rpn = args["world_size"], args["ranks_per_node"]
@@ -106,7 +102,7 @@ def check_batch(spec: MaskSpec, args: dict) -> tuple[dict, str | None]:
         tokens = torch.cat([plan.local_tokens(r) for r in range(P)])
         if not torch.equal(tokens.sort().values, torch.arange(spec.total_len)):
             return over, f"{strategy}: the ranks' local tokens are not a partition of the batch"
-        over[strategy], plans[strategy] = _over_bound(plan.stats()), plan
+        over[strategy], plans[strategy] = plan.stats()["sim_over_bound"], plan
     slack = 1e-9
     if P > rpn:
         promised = BASELINES + ("fcp",)

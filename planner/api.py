@@ -200,9 +200,11 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     if block_size is None:
         block_size = default_block_size(total_len, world_size, mask_spec)
     block_size = _check_positive_int("block_size", block_size)
+    if strategy != "dcp":
+        effort = "full"  # (only dcp has a search to cut short: the others' plans are cached once)
 
     key = (mask_spec.signature(), world_size, num_q_heads, num_kv_heads, head_dim, str(dtype), block_size,
-           strategy, topology.key(), max_stages, str(grad_comm_dtype), effort if strategy == "dcp" else "full")
+           strategy, topology.key(), max_stages, str(grad_comm_dtype), effort)
     cached = _cache.get(key)
     if cached is not None:
         _cache.move_to_end(key)
@@ -214,7 +216,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     placement = _strategies()[strategy](
         tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize,
-        max_stages=max_stages, **({"effort": effort} if strategy == "dcp" else {}))
+        max_stages=max_stages, effort=effort)
     plan = build_plan(tiles, placement, strategy=strategy, world_size=world_size, num_q_heads=num_q_heads,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                       mask_signature=mask_spec.signature(), cost_model=cost_model, grad_comm_dtype=grad_comm_dtype)
