@@ -175,9 +175,22 @@ def bench(sizes, out_path: Path):
                   f"diff out {max_diff:.3g} dq {dq_diff:.3g} ({row['wall_s']:.0f}s)", flush=True)
             out_path.parent.mkdir(parents=True, exist_ok=True)
             out_path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), hq=HQ, hkv=HKV, head_dim=D,
-                                                block=BLOCK, dtype="bf16", rows=rows), indent=1))
-    print(f"wrote {out_path}")
+                                                block=BLOCK, dtype="bf16", cost_model=planner_rates(rows),
+                                                rows=rows), indent=1))
+    rates = planner_rates(rows)
+    print(f"wrote {out_path}; plan for these kernels with make_plan(..., cost_model="
+          f"CostModel.from_kernel_tflops({rates['fwd_tflops']:.0f}, {rates['bwd_tflops']:.0f}, topology=...))")
     return rows
+
+
+def planner_rates(rows: list[dict]) -> dict:
+    """The TFLOP/s to give the planner's cost model (``CostModel.from_kernel_tflops``): our kernels'
+    median forward and backward rates over the masks at the largest size measured, the long-context
+    regime the planner splits."""
+    largest = max(row["tokens"] for row in rows)
+    at = [row for row in rows if row["tokens"] == largest]
+    return dict(tokens=largest, fwd_tflops=float(np.median([row["ours_fwd_tflops"] for row in at])),
+                bwd_tflops=float(np.median([row["ours_bwd_tflops"] for row in at])))
 
 
 def main(argv=None):

@@ -119,9 +119,12 @@ GRAD_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     block_size: int | None, strategy: str, topology: Topology | None, max_stages: int,
-                    grad_comm_dtype: torch.dtype = torch.float32, effort: str = "full") -> tuple:
+                    grad_comm_dtype: torch.dtype = torch.float32, effort: str = "full",
+                    cost_model: CostModel | None = None) -> tuple:
     """Validate make_plan's arguments other than the mask (TypeError / ValueError naming the bad one);
-    returns (world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology) normalized."""
+    returns (world_size, num_q_heads, num_kv_heads, head_dim, max_stages, cost_model) normalized, the
+    cost model holding the topology (``topology`` or ``cost_model``'s, which must agree where both are
+    given)."""
     world_size = _check_positive_int("world_size", world_size)
     if world_size > MAX_WORLD_SIZE:
         raise ValueError(f"world_size {world_size} exceeds the supported maximum {MAX_WORLD_SIZE}")
@@ -147,11 +150,19 @@ def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, hea
                          "(dcp without its later passes: about half the planning time on several nodes)")
     if block_size is not None:
         _check_positive_int("block_size", block_size)
-    if topology is None:
-        topology = Topology()
-    if not isinstance(topology, Topology):
+    if topology is not None and not isinstance(topology, Topology):
         raise TypeError(f"topology must be a blockattn.planner.Topology, got {type(topology).__name__}")
-    return world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology
+    if cost_model is None:
+        cost_model = CostModel(topology=Topology() if topology is None else topology)
+    elif not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a blockattn.planner.CostModel, got {type(cost_model).__name__}")
+    elif topology is not None and topology != cost_model.topology:
+        raise ValueError(f"topology ({topology}) and cost_model.topology ({cost_model.topology}) disagree: give the "
+                         "topology inside the cost model, CostModel(topology=..., fwd_rate=...), or only one of them")
+    if not cost_model.is_plain():
+        raise ValueError("cost_model's balance_overlap, balance_duplex and balance_level_nodes are dcp's internal "
+                         "search settings: leave them at their defaults (0.0, False, False)")
+    return world_size, num_q_heads, num_kv_heads, head_dim, max_stages, cost_model
 
 
 def check_mask_spec(mask_spec) -> None:
@@ -164,7 +175,7 @@ def check_mask_spec(mask_spec) -> None:
 def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
               dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
               topology: Topology | None = None, max_stages: int = 4, grad_comm_dtype: torch.dtype = torch.float32,
-              effort: str = "full", check: bool = True) -> Plan:
+              effort: str = "full", check: bool = True, cost_model: CostModel | None = None) -> Plan:
     """Plan one batch: which rank holds each token block, which rank computes each non-empty tile
     in which stage, and every transfer that implies (see docs/design.md, "Plan").
 
@@ -176,6 +187,11 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     at 128 (one long causal document). A mask with more than MAX_PLAN_TILES tiles at the block size is
     refused (ValueError naming the block size to use).
     ``topology``: ranks per node and link speeds (default: 8 H200 per node, NVLink + 400 Gb/s).
+    ``cost_model``: the GPUs' attention speed with the topology, for hardware or kernels other than the
+    default H200 ones: ``CostModel(topology=..., fwd_rate=FLOP/s, bwd_flops_factor=...)``, or
+    ``CostModel.from_kernel_tflops(fwd, bwd, topology=...)`` from measured TFLOP/s
+    (bench/bench_kernels.py). It sets the balance between compute and transfers that dcp plans for, and
+    what ``Plan.stats()`` simulates. Give the topology there or in ``topology``, not two different ones.
     ``max_stages``: upper bound on communication stages for dcp/fcp (stage 0 excluded).
     ``grad_comm_dtype``: dtype of the dQ / dK / dV partials sent back to the blocks' homes, which sum
     them in fp32. fp32 (default) keeps the backward as exact as on one device; torch.bfloat16 halves
@@ -191,10 +207,10 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     To keep planning out of the training step, plan the next batches ahead with ``PlanAhead``
     (planner/ahead.py), which runs this function in a worker process.
     """
-    world_size, num_q_heads, num_kv_heads, head_dim, max_stages, topology = check_plan_args(
+    world_size, num_q_heads, num_kv_heads, head_dim, max_stages, cost_model = check_plan_args(
         world_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
         block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages,
-        grad_comm_dtype=grad_comm_dtype, effort=effort)
+        grad_comm_dtype=grad_comm_dtype, effort=effort, cost_model=cost_model)
     check_mask_spec(mask_spec)
     total_len = int(mask_spec.total_len)
     if block_size is None:
@@ -204,7 +220,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
         effort = "full"  # (only dcp has a search to cut short: the others' plans are cached once)
 
     key = (mask_spec.signature(), world_size, num_q_heads, num_kv_heads, head_dim, str(dtype), block_size,
-           strategy, topology.key(), max_stages, str(grad_comm_dtype), effort)
+           strategy, cost_model.key(), max_stages, str(grad_comm_dtype), effort)
     cached = _cache.get(key)
     if cached is not None:
         _cache.move_to_end(key)
@@ -212,7 +228,6 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
 
     check_tile_count(mask_spec, block_size, world_size)
     tiles = TileSet.from_block_mask(mask_spec.block_mask(block_size))
-    cost_model = CostModel(topology=topology)
     placement = _strategies()[strategy](
         tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize,

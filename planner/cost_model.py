@@ -25,6 +25,7 @@ Model (stated once, used by ``Plan.stats()`` and by the dcp stage splitter):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,7 @@ from .spread_loops import overlapped_times
 # than the rest of stage_comm_time)
 _IS_INPUT = np.isin(np.arange(len(KIND_NAMES)), (KIND_Q, KIND_KV, KIND_DO))
 _IS_INPUT_INT = _IS_INPUT.astype(np.int64)
+BWD_FLOPS_RATIO = 2.5  # backward FLOPs / forward FLOPs (dQ, dK, dV + recompute of P)
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,14 @@ class Topology:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Compute rates plus a Topology (see module docstring)."""
+    """Compute rates plus a Topology (see module docstring). ``make_plan(cost_model=...)`` takes one for
+    another GPU or kernel: ``fwd_rate`` is the attention forward's attained FLOP/s on one GPU and
+    ``bwd_flops_factor`` the backward's time over the forward's for the same tiles (2.5: its FLOPs
+    over the forward's at the same rate); ``from_kernel_tflops`` sets both from measured TFLOP/s."""
 
     topology: Topology = Topology()
     fwd_rate: float = 500e12  # attainable attention FLOP/s forward on one H200
-    bwd_flops_factor: float = 2.5  # backward FLOPs / forward FLOPs (dQ, dK, dV + recompute of P)
+    bwd_flops_factor: float = BWD_FLOPS_RATIO  # backward time / forward time (2.5: FLOPs ratio, same rate)
     # Not used in scoring: the dcp balancer's fast per-rank estimate, max(compute, transfers) +
     # balance_overlap * min(compute, transfers) (planner/balance.py ``overlap``), where the staged
     # model above is too costly to evaluate per candidate move.
@@ -89,6 +94,43 @@ class CostModel:
     # ... and with balance_level_nodes, a node over the balancer's cap then levels its own ranks
     # (planner/balance.py ``level_nodes``).
     balance_level_nodes: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.topology, Topology):
+            raise TypeError(f"CostModel.topology must be a blockattn.planner.Topology, got "
+                            f"{type(self.topology).__name__}")
+        for name, unit in (("fwd_rate", "FLOP/s, e.g. 500e12"), ("bwd_flops_factor", "e.g. 2.5")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"CostModel.{name} must be a number ({unit}), got {type(value).__name__}")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"CostModel.{name} must be a finite number > 0 ({unit}), got {value!r}")
+        if not (math.isfinite(self.balance_overlap) and self.balance_overlap >= 0):
+            raise ValueError(f"CostModel.balance_overlap must be >= 0, got {self.balance_overlap!r}")
+
+    @classmethod
+    def from_kernel_tflops(cls, fwd_tflops: float, bwd_tflops: float, *,
+                           topology: Topology | None = None) -> "CostModel":
+        """The cost model of a GPU whose attention kernels were measured at ``fwd_tflops`` forward and
+        ``bwd_tflops`` backward (TFLOP/s, the backward counted as BWD_FLOPS_RATIO x the forward's FLOPs,
+        as bench/bench_kernels.py and FlashAttention's benchmarks report it), on ``topology`` (default
+        ``Topology()``)."""
+        for name, value in (("fwd_tflops", fwd_tflops), ("bwd_tflops", bwd_tflops)):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{name} must be a number of TFLOP/s, got {type(value).__name__}")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number of TFLOP/s > 0, got {value!r}")
+        return cls(topology=Topology() if topology is None else topology, fwd_rate=float(fwd_tflops) * 1e12,
+                   bwd_flops_factor=BWD_FLOPS_RATIO * float(fwd_tflops) / float(bwd_tflops))
+
+    def is_plain(self) -> bool:
+        """Whether the dcp balancer's settings (``balance_*``) are their defaults: they are dcp's internal
+        search settings (its re-plans change them), not part of a cost model a caller gives."""
+        return self.balance_overlap == 0.0 and not self.balance_duplex and not self.balance_level_nodes
+
+    def key(self) -> tuple:
+        """The cache key of what scores a plan: the topology's and the compute rates."""
+        return self.topology.key() + (float(self.fwd_rate), float(self.bwd_flops_factor))
 
     def tile_flops(self, pairs, *, num_q_heads: int, head_dim: int) -> np.ndarray:
         """Forward FLOPs of tiles with ``pairs`` unmasked (q, k) pairs."""

@@ -249,13 +249,20 @@ class Plan:
             f"  bytes: fwd {s['bytes_fwd'] * mb:.1f} MiB{inter('fwd')}, bwd {s['bytes_bwd'] * mb:.1f} MiB{inter('bwd')} "
             f"(gradient partials in {str(self.grad_comm_dtype).removeprefix('torch.')}), "
             f"transfers {s['transfers']}, KV relayed inside nodes {s['kv_relays']}",
-            f"  sim time (H200 model): fwd {s['sim_time_fwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_fwd'] * 1e3:.3f}),"
+            f"  sim time ({self._model_name()}): fwd {s['sim_time_fwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_fwd'] * 1e3:.3f}),"
             f" bwd {s['sim_time_bwd'] * 1e3:.3f} ms (lower bound {s['lower_bound_bwd'] * 1e3:.3f})",
         ]
         if self.search:
             lines.append("  search (fwd + bwd over the bound): "
                          + ", ".join(f"{step} {ratio:.3f}" for step, ratio in self.search_over_bound()))
         return "\n".join(lines)
+
+    def _model_name(self) -> str:
+        """The cost model ``explain`` names: the default H200 rates, or the ones given."""
+        cm, default = self.cost_model, CostModel()
+        if (cm.fwd_rate, cm.bwd_flops_factor) == (default.fwd_rate, default.bwd_flops_factor):
+            return "H200 model"
+        return f"model at {cm.fwd_rate / 1e12:.4g} TFLOP/s fwd, bwd {cm.bwd_flops_factor:.3g}x fwd"
 
     def search_over_bound(self) -> list:
         """``search`` as [step, fwd + bwd time of the plan kept after it over the lower bound] (a step

@@ -8,10 +8,12 @@ import torch
 from spawn_gloo import spawn
 
 from blockattn.masks import MaskSpec
-from blockattn.planner import PlanAhead, Topology, clear_plan_cache, make_plan
+from blockattn.planner import CostModel, PlanAhead, Topology, clear_plan_cache, make_plan
 
 HEADS = dict(num_q_heads=4, num_kv_heads=2, head_dim=16)
-PLAN = dict(HEADS, block_size=32, topology=Topology(ranks_per_node=2))
+# (a cost model other than the default H200's: the workers plan for the one given)
+PLAN = dict(HEADS, block_size=32,
+            cost_model=CostModel.from_kernel_tflops(300, 200, topology=Topology(ranks_per_node=2)))
 
 
 def strided_mod(q, k):
@@ -69,6 +71,8 @@ def test_bad_input_is_refused_before_planning(planner):
         PlanAhead(4, workers=0, **HEADS)
     with pytest.raises(ValueError, match="unknown effort"):
         PlanAhead(4, effort="thorough", **HEADS)
+    with pytest.raises(TypeError, match="cost_model must be"):
+        PlanAhead(4, cost_model=Topology(), **HEADS)
     with pytest.raises(TypeError, match="module-level function"):
         planner.submit(MaskSpec.from_mask_mod(lambda q, k: k <= q, 50))
     with pytest.raises(TypeError, match="must be a blockattn MaskSpec"):

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockattn.masks import MaskSpec
-from blockattn.planner import STRATEGIES, Topology, check_plan, make_plan, payload_bytes
+from blockattn.planner import STRATEGIES, CostModel, Topology, check_plan, make_plan, payload_bytes
 from blockattn.planner.schedule import KIND_KV, KIND_OUT, KIND_Q
 
 HEADS = dict(num_q_heads=4, num_kv_heads=2, head_dim=16)
@@ -187,6 +187,9 @@ def test_the_plan_cache_keeps_to_its_byte_budget_and_always_the_newest_plan(monk
         (dict(head_dim=0), ValueError, "head_dim"),
         (dict(dtype=torch.int32), TypeError, "dtype"),
         (dict(topology="nvlink"), TypeError, "topology"),
+        (dict(cost_model="h100"), TypeError, "cost_model must be a blockattn.planner.CostModel, got str"),
+        (dict(cost_model=CostModel(), topology=Topology(ranks_per_node=2)), ValueError, "disagree"),
+        (dict(cost_model=CostModel(balance_duplex=True)), ValueError, "internal search settings"),
         (dict(mask_spec="causal"), TypeError, "MaskSpec"),
     ],
 )
@@ -195,6 +198,64 @@ def test_bad_arguments(kwargs, exc, words):
     args.update(kwargs)
     with pytest.raises(exc, match=words):
         make_plan(args.pop("mask_spec"), args.pop("world_size"), **args)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(fwd_rate=0.0), ValueError, "fwd_rate must be a finite number > 0"),
+        (dict(fwd_rate=float("inf")), ValueError, "fwd_rate"),
+        (dict(fwd_rate="500e12"), TypeError, "fwd_rate must be a number"),
+        (dict(bwd_flops_factor=-2.5), ValueError, "bwd_flops_factor"),
+        (dict(bwd_flops_factor=True), TypeError, "bwd_flops_factor"),
+        (dict(topology=8), TypeError, "CostModel.topology must be"),
+        (dict(balance_overlap=-1.0), ValueError, "balance_overlap"),
+    ],
+)
+def test_bad_cost_models(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        CostModel(**kwargs)
+
+
+def test_from_kernel_tflops_refuses_what_is_not_a_speed():
+    for fwd, bwd, exc in ((0, 400, ValueError), (600, float("nan"), ValueError), ("600", 400, TypeError)):
+        with pytest.raises(exc, match="TFLOP/s"):
+            CostModel.from_kernel_tflops(fwd, bwd)
+
+
+def test_a_cost_model_sets_the_rates_plans_are_made_and_simulated_for():
+    """``make_plan(cost_model=...)``: its compute rates give the stats' bounds and simulated times, and
+    key the cache; the topology alone is the default rates' cost model."""
+    spec = MaskSpec.documents([900, 2500, 40, 1700])
+    topology = Topology(ranks_per_node=2)
+    plain = make_plan(spec, 5, topology=topology, **HEADS)
+    assert make_plan(spec, 5, cost_model=CostModel(topology=topology), **HEADS) is plain
+    assert make_plan(spec, 5, cost_model=CostModel(topology=topology), topology=topology, **HEADS) is plain
+    slow = CostModel.from_kernel_tflops(250, 200, topology=topology)  # backward less efficient than forward
+    assert slow.fwd_rate == 250e12 and slow.bwd_flops_factor == pytest.approx(2.5 * 250 / 200)
+    plan = make_plan(spec, 5, cost_model=slow, **HEADS)
+    assert plan is not plain and plan.cost_model == slow and plan.fingerprint() != plain.fingerprint()
+    stats, flops = plan.stats(), sum(plan.stats()["flops_fwd"])
+    assert stats["lower_bound_fwd"] == pytest.approx(flops / (5 * 250e12))
+    assert stats["lower_bound_bwd"] == pytest.approx(flops * 2.5 * 250 / 200 / (5 * 250e12))
+    assert stats["sim_time_fwd"] >= stats["lower_bound_fwd"] and stats["sim_time_bwd"] >= stats["lower_bound_bwd"]
+    assert "250 TFLOP/s" in plan.explain() and "H200 model" in plain.explain()
+    check_plan(plan)
+
+
+@SETTINGS
+@given(spec=masks(), world_size=st.integers(3, 9), ranks_per_node=st.integers(1, 4),
+       fwd_tflops=st.sampled_from([50, 500, 5000]), bwd_tflops=st.sampled_from([100, 500]))
+def test_dcp_keeps_its_promise_under_any_compute_rate(spec, world_size, ranks_per_node, fwd_tflops, bwd_tflops):
+    """On several nodes dcp is never slower than a baseline or the fcp strategy under the cost model it is
+    given, whatever the GPUs' speed against the links (compute-bound to transfer-bound)."""
+    if world_size <= ranks_per_node:
+        world_size = ranks_per_node + 1
+    cost_model = CostModel.from_kernel_tflops(fwd_tflops, bwd_tflops, topology=Topology(ranks_per_node=ranks_per_node))
+    over = {strategy: make_plan(spec, world_size, strategy=strategy, block_size=32, cost_model=cost_model,
+                                **HEADS).stats()["sim_over_bound"]
+            for strategy in ("dcp", "zigzag", "allgather", "ring", "fcp")}
+    assert over["dcp"] <= min(over.values()) * (1 + 1e-9), over
 
 
 def test_the_default_block_size_grows_where_the_mask_has_millions_of_tiles():
