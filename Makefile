@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test demo bench-planner bench-planner-phases bench-hypergraph bench-effort kernel-report clean
+.PHONY: install test demo bench-planner bench-planner-phases bench-hypergraph bench-effort bench-cost-model kernel-report clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,9 @@ bench-hypergraph: $(STAMP)
 
 bench-effort: $(STAMP)
 	$(BIN)/python bench/bench_effort.py
+
+bench-cost-model: $(STAMP)
+	$(BIN)/python bench/bench_cost_model.py
 
 kernel-report: $(STAMP)
 	$(BIN)/python bench/kernel_report.py

@@ -5,7 +5,9 @@ causal documents, lambda, shared question, causal-blockwise, sliding window, bid
 one causal sequence), a length of 1-40K tokens, 1-64 ranks with 1-8 per node or all on one, a block
 size (16-256 or the default) - or, one batch in eight, 40-160K tokens on 2-64 ranks of one node in
 blocks of 128 or the default (planned on merged blocks) -, query / KV heads, dtypes and the gradient
-partials' dtype, and plans it with every strategy with ``check_plan`` on. A batch fails if planning
+partials' dtype, and one batch in four other hardware than the default H200 cost model's (link
+speeds and latencies, attention TFLOP/s: ``OTHER_HARDWARE``), and plans it with every strategy with
+``check_plan`` on. A batch fails if planning
 raises, if the local tokens are not a partition of the batch, or if dcp is slower (simulated fwd + bwd) than what planner/dcp.py
 promises: on several nodes no slower than zigzag, allgather, ring or the fcp strategy; on one node no
 slower than the baselines where its plan is over GOOD_ENOUGH of the bound and the batch is planned on
@@ -29,7 +31,7 @@ import torch
 
 from bench_planner import SEQLENS
 from blockattn.masks import MaskSpec
-from blockattn.planner import Topology, clear_plan_cache, make_plan
+from blockattn.planner import CostModel, Topology, clear_plan_cache, make_plan
 from blockattn.planner.candidates import coarsening_factor
 from blockattn.planner.dcp import RIVAL_GAIN
 from blockattn.planner.first_pass import GOOD_ENOUGH
@@ -39,6 +41,7 @@ STRATEGIES = ("dcp", "fcp", "zigzag", "ring", "allgather")
 BASELINES = ("zigzag", "ring", "allgather")
 WORLD_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 LARGE_ONE_NODE = 0.125
+OTHER_HARDWARE = 0.25  # batches planned for a cost model other than the default (``hardware``)
 
 
 def draw_batch(rng: np.random.Generator, wiki: np.ndarray) -> tuple[MaskSpec, dict, dict]:
@@ -86,7 +89,15 @@ def draw_batch(rng: np.random.Generator, wiki: np.ndarray) -> tuple[MaskSpec, di
     dtype = [torch.bfloat16, torch.float16][int(rng.integers(0, 2))]
     grad = [torch.float32, torch.bfloat16][int(rng.integers(0, 2))] if dtype == torch.bfloat16 else torch.float32
     args = dict(world_size=P, ranks_per_node=rpn, block_size=int(block) or None, num_q_heads=hq, num_kv_heads=hkv,
-                head_dim=64, dtype=dtype, grad_comm_dtype=grad)
+                head_dim=64, dtype=dtype, grad_comm_dtype=grad, hardware=None)
+    if rng.random() < OTHER_HARDWARE:
+        # from PCIe-class links to links as fast as NVLink, from slow kernels to compute-bound heads
+        args["hardware"] = dict(intra_bw=float(rng.choice([64e9, 450e9, 900e9])),
+                                inter_bw=float(rng.choice([12.5e9, 50e9, 100e9, 450e9])),
+                                intra_lat=float(rng.choice([0.0, 5e-6, 30e-6])),
+                                inter_lat=float(rng.choice([0.0, 15e-6, 100e-6])),
+                                fwd_tflops=float(rng.choice([60, 200, 500, 2000])),
+                                bwd_tflops=float(rng.choice([40, 200, 500, 1500])))
     record = dict(args, tokens=T, documents=len(lens) if name.endswith("docs") or mask == 2 else 1, mask=name,
                   dtype=str(dtype), grad_comm_dtype=str(grad))
     return spec, args, record
@@ -94,11 +105,17 @@ def draw_batch(rng: np.random.Generator, wiki: np.ndarray) -> tuple[MaskSpec, di
 
 def check_batch(spec: MaskSpec, args: dict) -> tuple[dict, str | None]:
     """({strategy: fwd + bwd over the bound}, None or what failed) of one batch."""
-    P, rpn = args["world_size"], args["ranks_per_node"]
-    kw = {k: v for k, v in args.items() if k not in ("world_size", "ranks_per_node")}
+    P, rpn, hardware = args["world_size"], args["ranks_per_node"], args.get("hardware")
+    kw = {k: v for k, v in args.items() if k not in ("world_size", "ranks_per_node", "hardware")}
+    if hardware is None:
+        kw["topology"] = Topology(ranks_per_node=rpn)
+    else:
+        links = {k: v for k, v in hardware.items() if not k.endswith("tflops")}
+        kw["cost_model"] = CostModel.from_kernel_tflops(hardware["fwd_tflops"], hardware["bwd_tflops"],
+                                                        topology=Topology(ranks_per_node=rpn, **links))
     over, plans = {}, {}
     for strategy in STRATEGIES:
-        plan = make_plan(spec, P, strategy=strategy, topology=Topology(ranks_per_node=rpn), check=True, **kw)
+        plan = make_plan(spec, P, strategy=strategy, check=True, **kw)
         tokens = torch.cat([plan.local_tokens(r) for r in range(P)])
         if not torch.equal(tokens.sort().values, torch.arange(spec.total_len)):
             return over, f"{strategy}: the ranks' local tokens are not a partition of the batch"

@@ -22,6 +22,18 @@ def test_the_same_seed_draws_the_same_batches():
     assert len({r["mask"] for r in records}) > 3
     large = [r for r in records if r["tokens"] > 40000]  # (one in eight: one node, planned on merged blocks)
     assert large and all(r["ranks_per_node"] == r["world_size"] >= 2 and r["block_size"] in (None, 128) for r in large)
+    other = [r["hardware"] for r in records if r["hardware"] is not None]  # (one in four: other link and GPU speeds)
+    assert 0 < len(other) < len(records) and all(h["fwd_tflops"] > 0 and h["inter_bw"] > 0 for h in other)
+
+
+def test_a_batch_on_other_hardware_is_planned_and_scored_for_it():
+    spec = MaskSpec.documents([700, 1500, 90, 2200])
+    hardware = dict(intra_bw=64e9, inter_bw=12.5e9, intra_lat=0.0, inter_lat=100e-6, fwd_tflops=2000.0, bwd_tflops=40.0)
+    args = dict(world_size=6, ranks_per_node=2, block_size=64, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                hardware=hardware)
+    over, failure = search.check_batch(spec, args)
+    assert failure is None and set(over) == set(search.STRATEGIES), (failure, over)
+    assert over != search.check_batch(spec, dict(args, hardware=None))[0]  # (the rates reach the plans)
 
 
 def test_a_sliding_window_on_several_nodes_passes_and_fails_without_ring_among_the_baselines(monkeypatch):
