@@ -146,8 +146,11 @@ def main() -> None:
     wiki = np.loadtxt(opts.seqlens, dtype=np.int64, ndmin=1)
     deadline = time.time() + 60 * opts.minutes
     done, failures, slowest = 0, [], (0.0, None)
+    drawn = {"large_one_node": 0, "other_hardware": 0}  # (how many batches of each special kind were drawn)
     while (done < opts.batches) if opts.batches is not None else (time.time() < deadline):
         spec, args, record = draw_batch(rng, wiki)
+        drawn["large_one_node"] += record["tokens"] >= 40000 and record["ranks_per_node"] == record["world_size"]
+        drawn["other_hardware"] += record["hardware"] is not None
         t0 = time.perf_counter()
         try:
             over, failure = check_batch(spec, args)
@@ -161,11 +164,12 @@ def main() -> None:
             slowest = (seconds, record)
         done += 1
         clear_plan_cache()
-    report = {"seed": opts.seed, "batches": done, "failures": failures,
+    report = {"seed": opts.seed, "batches": done, **drawn, "failures": failures,
               "slowest_batch": {"seconds_all_strategies": slowest[0], "batch": slowest[1]}}
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(json.dumps(report, indent=1, default=str))
-    print(f"{done} batches, {len(failures)} failures -> {opts.out}")
+    print(f"{done} batches ({drawn['large_one_node']} large on one node, {drawn['other_hardware']} on other hardware), "
+          f"{len(failures)} failures -> {opts.out}")
 
 
 if __name__ == "__main__":

@@ -62,3 +62,4 @@ def test_the_search_writes_its_report(tmp_path, monkeypatch):
     search.main()
     report = json.loads(out.read_text())
     assert report["batches"] == batches and report["failures"] == []
+    assert 0 <= report["other_hardware"] <= batches and 0 <= report["large_one_node"] <= batches
