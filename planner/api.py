@@ -192,6 +192,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     ``CostModel.from_kernel_tflops(fwd, bwd, topology=...)`` from measured TFLOP/s
     (bench/bench_kernels.py). It sets the balance between compute and transfers that dcp plans for, and
     what ``Plan.stats()`` simulates. Give the topology there or in ``topology``, not two different ones.
+    The default rates are bf16 / fp16 kernels' on an H200 (float32 attention is several times slower).
     ``max_stages``: upper bound on communication stages for dcp/fcp (stage 0 excluded).
     ``grad_comm_dtype``: dtype of the dQ / dK / dV partials sent back to the blocks' homes, which sum
     them in fp32. fp32 (default) keeps the backward as exact as on one device; torch.bfloat16 halves
