@@ -7,11 +7,11 @@ size (16-256 or the default) - or, one batch in eight, 40-160K tokens on 2-64 ra
 blocks of 128 or the default (planned on merged blocks) -, query / KV heads, dtypes and the gradient
 partials' dtype, and one batch in four other hardware than the default H200 cost model's (link
 speeds and latencies, attention TFLOP/s: ``OTHER_HARDWARE``), and plans it with every strategy with
-``check_plan`` on. A batch fails if planning
-raises, if the local tokens are not a partition of the batch, or if dcp is slower (simulated fwd + bwd) than what planner/dcp.py
-promises: on several nodes no slower than zigzag, allgather, ring or the fcp strategy; on one node no
-slower than the baselines where its plan is over GOOD_ENOUGH of the bound and the batch is planned on
-its real blocks, and by at most RIVAL_GAIN where its plan is within GOOD_ENOUGH. Session 41 ran 4310
+``check_plan`` on. A batch fails if planning raises, if the local tokens are not a partition of the
+batch, or if dcp is slower (simulated fwd + bwd) than what planner/dcp.py promises: on several nodes
+no slower than zigzag, allgather, ring or the fcp strategy; on one node no slower than the baselines
+where its plan is over GOOD_ENOUGH of the bound and the batch is planned on its real blocks, and by
+at most RIVAL_GAIN where its plan is within GOOD_ENOUGH. Session 41 ran 4310
 such batches (docs/planner_log.md).
 
     python bench/search_planner.py [--seed 0] [--minutes 10 | --batches N] [--out bench/results/search_planner.json]
@@ -99,7 +99,7 @@ def draw_batch(rng: np.random.Generator, wiki: np.ndarray) -> tuple[MaskSpec, di
                                 fwd_tflops=float(rng.choice([60, 200, 500, 2000])),
                                 bwd_tflops=float(rng.choice([40, 200, 500, 1500])))
     record = dict(args, tokens=T, documents=len(lens) if name.endswith("docs") or mask == 2 else 1, mask=name,
-                  dtype=str(dtype), grad_comm_dtype=str(grad))
+                  dtype=str(dtype), grad_comm_dtype=str(grad), large=large)
     return spec, args, record
 
 
@@ -149,7 +149,7 @@ def main() -> None:
     drawn = {"large_one_node": 0, "other_hardware": 0}  # (how many batches of each special kind were drawn)
     while (done < opts.batches) if opts.batches is not None else (time.time() < deadline):
         spec, args, record = draw_batch(rng, wiki)
-        drawn["large_one_node"] += record["tokens"] >= 40000 and record["ranks_per_node"] == record["world_size"]
+        drawn["large_one_node"] += record["large"]
         drawn["other_hardware"] += record["hardware"] is not None
         t0 = time.perf_counter()
         try:
