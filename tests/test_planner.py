@@ -245,13 +245,17 @@ def test_a_cost_model_sets_the_rates_plans_are_made_and_simulated_for():
 
 @SETTINGS
 @given(spec=masks(), world_size=st.integers(3, 9), ranks_per_node=st.integers(1, 4),
-       fwd_tflops=st.sampled_from([50, 500, 5000]), bwd_tflops=st.sampled_from([100, 500]))
-def test_dcp_keeps_its_promise_under_any_compute_rate(spec, world_size, ranks_per_node, fwd_tflops, bwd_tflops):
+       fwd_tflops=st.sampled_from([50, 500, 5000]), bwd_tflops=st.sampled_from([100, 500]),
+       links=st.sampled_from([{}, dict(intra_bw=64e9, inter_bw=12.5e9), dict(inter_bw=450e9, inter_lat=0.0),
+                              dict(intra_lat=0.0, inter_lat=200e-6)]))
+def test_dcp_keeps_its_promise_under_any_cost_model(spec, world_size, ranks_per_node, fwd_tflops, bwd_tflops, links):
     """On several nodes dcp is never slower than a baseline or the fcp strategy under the cost model it is
-    given, whatever the GPUs' speed against the links (compute-bound to transfer-bound)."""
+    given, whatever the GPUs' speed against the links (compute-bound to transfer-bound) and the links'
+    (PCIe-class to NICs as fast as NVLink, latencies from none to 200 us)."""
     if world_size <= ranks_per_node:
         world_size = ranks_per_node + 1
-    cost_model = CostModel.from_kernel_tflops(fwd_tflops, bwd_tflops, topology=Topology(ranks_per_node=ranks_per_node))
+    topology = Topology(ranks_per_node=ranks_per_node, **links)
+    cost_model = CostModel.from_kernel_tflops(fwd_tflops, bwd_tflops, topology=topology)
     over = {strategy: make_plan(spec, world_size, strategy=strategy, block_size=32, cost_model=cost_model,
                                 **HEADS).stats()["sim_over_bound"]
             for strategy in ("dcp", "zigzag", "allgather", "ring", "fcp")}
