@@ -173,11 +173,10 @@ def bench(sizes, out_path: Path):
             print(f"{name:16s} T={T:6d} fwd ours {row['ours_fwd_tflops']:6.1f} flex {row['flex_fwd_tflops']:6.1f} | "
                   f"bwd ours {row['ours_bwd_tflops']:6.1f} flex {row['flex_bwd_tflops']:6.1f} TFLOP/s | "
                   f"diff out {max_diff:.3g} dq {dq_diff:.3g} ({row['wall_s']:.0f}s)", flush=True)
+            rates = planner_rates(rows)
             out_path.parent.mkdir(parents=True, exist_ok=True)
             out_path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), hq=HQ, hkv=HKV, head_dim=D,
-                                                block=BLOCK, dtype="bf16", cost_model=planner_rates(rows),
-                                                rows=rows), indent=1))
-    rates = planner_rates(rows)
+                                                block=BLOCK, dtype="bf16", cost_model=rates, rows=rows), indent=1))
     print(f"wrote {out_path}; plan for these kernels with make_plan(..., cost_model="
           f"CostModel.from_kernel_tflops({rates['fwd_tflops']:.0f}, {rates['bwd_tflops']:.0f}, topology=...))")
     return rows

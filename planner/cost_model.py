@@ -74,6 +74,14 @@ class Topology:
                 float(self.intra_lat), float(self.inter_lat))
 
 
+def _check_positive_number(name: str, value, unit: str) -> None:
+    """TypeError unless ``value`` is a real number (not a bool), ValueError unless it is finite and > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number ({unit}), got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0 ({unit}), got {value!r}")
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Compute rates plus a Topology (see module docstring). ``make_plan(cost_model=...)`` takes one for
@@ -99,12 +107,8 @@ class CostModel:
         if not isinstance(self.topology, Topology):
             raise TypeError(f"CostModel.topology must be a blockattn.planner.Topology, got "
                             f"{type(self.topology).__name__}")
-        for name, unit in (("fwd_rate", "FLOP/s, e.g. 500e12"), ("bwd_flops_factor", "e.g. 2.5")):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                raise TypeError(f"CostModel.{name} must be a number ({unit}), got {type(value).__name__}")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"CostModel.{name} must be a finite number > 0 ({unit}), got {value!r}")
+        _check_positive_number("CostModel.fwd_rate", self.fwd_rate, "FLOP/s, e.g. 500e12")
+        _check_positive_number("CostModel.bwd_flops_factor", self.bwd_flops_factor, "e.g. 2.5")
         if not (math.isfinite(self.balance_overlap) and self.balance_overlap >= 0):
             raise ValueError(f"CostModel.balance_overlap must be >= 0, got {self.balance_overlap!r}")
 
@@ -115,11 +119,8 @@ class CostModel:
         ``bwd_tflops`` backward (TFLOP/s, the backward counted as BWD_FLOPS_RATIO x the forward's FLOPs,
         as bench/bench_kernels.py and FlashAttention's benchmarks report it), on ``topology`` (default
         ``Topology()``)."""
-        for name, value in (("fwd_tflops", fwd_tflops), ("bwd_tflops", bwd_tflops)):
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                raise TypeError(f"{name} must be a number of TFLOP/s, got {type(value).__name__}")
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a finite number of TFLOP/s > 0, got {value!r}")
+        _check_positive_number("fwd_tflops", fwd_tflops, "TFLOP/s")
+        _check_positive_number("bwd_tflops", bwd_tflops, "TFLOP/s")
         return cls(topology=Topology() if topology is None else topology, fwd_rate=float(fwd_tflops) * 1e12,
                    bwd_flops_factor=BWD_FLOPS_RATIO * float(fwd_tflops) / float(bwd_tflops))
 
