@@ -594,6 +594,7 @@ def test_nic_shy_balancing_keeps_compute_on_its_node_where_transfers_cannot_hide
 
     set_dcp(monkeypatch, "SPREAD_PASS", False)  # (the pass after it, from the kept homes too)
     skip_deal_pass()  # (and the one after that)
+    set_dcp(monkeypatch, "FCP_PLAN_LAST", False)  # (and the last check: the fcp plan, node-first, wins both)
     rng = np.random.default_rng(5)
     spec = MaskSpec.documents(rng.integers(4000, 16000, 2).tolist() + rng.integers(64, 2000, 20).tolist())
 
@@ -657,6 +658,7 @@ def test_nic_shy_and_spread_passes_take_rounds(monkeypatch, skip_replan, skip_de
 
     skip_replan()
     skip_deal_pass()
+    set_dcp(monkeypatch, "FCP_PLAN_LAST", False)  # (the last check: the fcp plan, node-first, wins both)
     spec = MaskSpec.documents(long_tail_docs(16, 30_000)) & MaskSpec.lambda_mask(30_000, 64, 4096)
 
     def over_bound():
