@@ -45,6 +45,7 @@ import numpy as np
 from .cost_model import CostModel
 from .fcp_pack import cut_pieces, pack_pieces
 from .placement import Placement, compact_stages, prefix_sums, weighted_bincount
+from .schedule import KIND_KV, payload_bytes
 from .stages import assign_stages
 from .tile_loops import reads_from_afar, segment_crossings
 from .tiles import TileSet
@@ -128,7 +129,8 @@ def neighbor_affinity_for(world_size: int, cost_model: CostModel) -> float:
 def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, head_dim: int,
              bin_ranks: np.ndarray | None = None, kv_bytes: np.ndarray | None = None,
              contiguous_parts: bool = False, documents: bool = False, cut_links: int = 1,
-             piece_share: float = math.inf, neighbor_affinity: float = 0.0) -> np.ndarray:
+             piece_share: float = math.inf, neighbor_affinity: float = 0.0,
+             block_flops: np.ndarray | None = None) -> np.ndarray:
     """Bin of every block (see module docstring, steps 1-3). Bins are ranks by default; with
     ``bin_ranks`` (ranks per bin, e.g. per node) bin i gets memory and compute in proportion, and
     with ``kv_bytes`` (each block's KV payload) a segment heavier than a bin's compute share is
@@ -141,14 +143,17 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     spread it, planner/relay.py). ``piece_share``: plain pieces are also cut where they reach this many
     bins' shares of compute (the fcp strategy's ``strategy_home``; zigzag pairs and node parts are not).
     ``neighbor_affinity``: a piece prefers a bin holding a neighbouring block within this many M of the
-    least loaded (step 3; ``neighbor_affinity_for`` for the fcp homes of ranks)."""
+    least loaded (step 3; ``neighbor_affinity_for`` for the fcp homes of ranks). ``block_flops`` [nB]:
+    each block's compute, where it is more than its tiles here (a node's blocks whose rows also read
+    other nodes' KV, ``node_first_home``)."""
     nB = tiles.num_blocks
     weight = np.ones(world_size) if bin_ranks is None else np.asarray(bin_ranks, dtype=np.float64)
     P = weight.size
     if P == 1 or nB == 0:
         return np.zeros(nB, dtype=np.int64)
-    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
-    block_flops = weighted_bincount(tiles.q, flops, nB)
+    if block_flops is None:
+        block_flops = weighted_bincount(tiles.q, cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads,
+                                                                       head_dim=head_dim), nB)
     prefix = prefix_sums(block_flops)
     per_rank = -(-nB // int(weight.sum()))
     cap = (per_rank * weight).astype(np.int64)
@@ -206,7 +211,7 @@ def _node_group(prefix: np.ndarray, across: np.ndarray, a: int, b: int, k_min: i
 
 
 def strategy_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int,
-                  head_dim: int) -> np.ndarray:
+                  head_dim: int, kv_bytes: np.ndarray | None = None, grad_ratio: float = 2.0) -> np.ndarray:
     """The fcp strategy's homes: ``fcp_home`` with segments cut at document starts and no plain piece
     heavier than PIECE_SHARE of a rank's compute where a block allows. A long document's last rows,
     in too few blocks for zigzag pairs to even out, were cut by size alone: the bench's causal_blockwise
@@ -214,21 +219,91 @@ def strategy_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num
     fcp plans of two draws 45 faster, 5 slower, all on several nodes, where fcp's plans are NIC-bound;
     geomean 1.55 -> 1.46x; docs/planner_log.md). dcp's "fcp" / "fcp-docs" starts keep plain pieces
     (``fcp_home``'s default): the balancer evens such pieces out, and with the bound dcp's plans moved
-    either way; dcp's last check weighs this plan."""
-    return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
+    either way; dcp's last check weighs this plan.
+    On several nodes, with ``kv_bytes`` [nB] (each block's KV payload; ``grad_ratio``: its dK/dV
+    partial's bytes over it), these homes or ``node_first_home``'s, whichever ``owner_time_estimate``
+    finds faster (either wins by up to ~2x on some batches: docs/planner_log.md, session 44)."""
+    home = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
                     documents=True, piece_share=PIECE_SHARE,
                     neighbor_affinity=neighbor_affinity_for(world_size, cost_model))
+    if kv_bytes is None or world_size <= cost_model.topology.ranks_per_node:
+        return home
+    nodes_first = node_first_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads,
+                                  head_dim=head_dim, kv_bytes=kv_bytes)
+    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
+    moved = kv_bytes * (1.0 + grad_ratio)  # KV there, its dK/dV partial back
+    estimate = [owner_time_estimate(tiles, h, flops, moved, world_size, cost_model) for h in (home, nodes_first)]
+    return nodes_first if estimate[1] < estimate[0] else home
+
+
+def node_first_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, head_dim: int,
+                    kv_bytes: np.ndarray) -> np.ndarray:
+    """FCP's packing one level at a time: segments (documents cut where they start) onto nodes, a
+    segment heavier than a node split into as many contiguous parts as pay for the KV the cuts send
+    over the NICs (``fcp_home`` with node bins and ``kv_bytes``); then each node's blocks onto its ranks
+    by the compute of their whole rows (reads of other nodes' KV included), as the fcp strategy packs
+    ranks. Documents stay inside a node where they fit, so only the split ones cross the NICs."""
+    rpn = cost_model.topology.ranks_per_node
+    node_ranks = np.bincount(np.arange(world_size) // rpn)
+    node = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
+                    bin_ranks=node_ranks, kv_bytes=kv_bytes, documents=True)
+    row = weighted_bincount(tiles.q, cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim),
+                            tiles.num_blocks)
+    home = np.empty(tiles.num_blocks, dtype=np.int64)
+    # each node's own sub-batch (the tiles it holds both blocks of), in (q, kv) order: the inside tiles
+    # grouped by node with a stable sort on a small key (one pass, not a mask per node)
+    q_node = node[tiles.q]
+    inside = np.flatnonzero(q_node == node[tiles.kv])
+    inside = inside[np.argsort(q_node[inside].astype(np.int16), kind="stable")]
+    count = np.bincount(q_node[inside], minlength=node_ranks.size)
+    ends = np.cumsum(count)
+    starts = ends - count
+    local = np.empty(tiles.num_blocks, dtype=np.int64)
+    for n, ranks in enumerate(node_ranks.tolist()):
+        blocks = np.flatnonzero(node == n)
+        if blocks.size == 0:
+            continue
+        local[blocks] = np.arange(blocks.size)
+        sel = inside[starts[n]:ends[n]]
+        sub = TileSet(total_len=blocks.size * tiles.block_size, block_size=tiles.block_size, num_blocks=blocks.size,
+                      q=local[tiles.q[sel]], kv=local[tiles.kv[sel]], full=tiles.full[sel], pairs=tiles.pairs[sel])
+        home[blocks] = n * rpn + fcp_home(sub, ranks, cost_model=cost_model, num_q_heads=num_q_heads,
+                                          head_dim=head_dim, documents=True, piece_share=PIECE_SHARE,
+                                          block_flops=row[blocks], neighbor_affinity=NEIGHBOR_AFFINITY)
+    return home
+
+
+def owner_time_estimate(tiles: TileSet, home: np.ndarray, flops: np.ndarray, moved: np.ndarray, world_size: int,
+                        cost_model: CostModel) -> float:
+    """A quick estimate of the fcp plan's time on ``home`` (every tile on its q-block's home): the busiest
+    rank's forward + backward compute, or its NIC's traffic (``moved`` [nB]: a block's bytes there and
+    back, once per reading rank on another node), whichever is longer. It ranks two candidate homes as
+    their staged plans do in all but a few of the bench's cases (docs/planner_log.md, session 44)."""
+    rank = home[tiles.q]
+    compute = np.bincount(rank, weights=flops, minlength=world_size) * (1.0 + cost_model.bwd_flops_factor)
+    rpn = cost_model.topology.ranks_per_node
+    far = np.flatnonzero(rank // rpn != home[tiles.kv] // rpn)
+    read = np.zeros(tiles.num_blocks * world_size, dtype=bool)  # (block, reader) once each
+    read[tiles.kv[far] * world_size + rank[far]] = True
+    block, reader = np.divmod(np.flatnonzero(read), world_size)
+    nic = np.maximum(np.bincount(reader, weights=moved[block], minlength=world_size),
+                     np.bincount(home[block], weights=moved[block], minlength=world_size))
+    return float(np.max(np.maximum(compute / cost_model.fwd_rate, nic / cost_model.topology.inter_bw)))
 
 
 def fcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
-        head_dim: int, element_size: int, max_stages: int, home: np.ndarray | None = None, **_) -> Placement:
+        head_dim: int, element_size: int, max_stages: int, home: np.ndarray | None = None,
+        grad_element_size: int = 4, **_) -> Placement:
     """FCP placement (see module docstring), segments cut at the blocks documents start in: FCP assigns
     *sequences* to groups. Cut by tile counts alone, packed documents that start inside blocks chain
     into long segments, cut into plain pieces whose heaviest ones are heavier than a rank's share (1M
     tokens / 64 ranks of Wikipedia documents: compute imbalance 2.77, with document starts 1.13).
     ``home``: those homes (``strategy_home``), where the caller has them already."""
     if home is None:
-        home = strategy_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
+        kv_bytes = payload_bytes(KIND_KV, tiles.block_lengths(), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                 head_dim=head_dim, element_size=element_size).astype(np.float64)
+        home = strategy_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
+                             kv_bytes=kv_bytes, grad_ratio=grad_element_size / element_size)
     rank = home[tiles.q]
     flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
     stage = assign_stages(tiles.q, tiles.kv, flops, rank, home, block_size=tiles.block_size,
