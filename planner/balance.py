@@ -70,7 +70,7 @@ import numpy as np
 from . import balance_moves as moves
 from .balance_moves import BalancerState, MoveRule
 from .placement import weighted_bincount
-from .schedule import KIND_KV, KIND_OUT, KIND_Q, payload_bytes
+from .schedule import KIND_KV, KIND_OUT, KIND_Q, kv_block_bytes, payload_bytes
 from .tiles import TileSet
 
 BALANCE_SLACK = 0.02  # donors shed until within 2% of the mean (target 5%)
@@ -219,7 +219,7 @@ def pushed_rows(tiles: TileSet, home: np.ndarray, *, num_q_heads: int, num_kv_he
                  grad_element_size=grad_element_size)
     lens = tiles.block_lengths()
     q_out_bytes = (payload_bytes(KIND_Q, lens, **sizes) + payload_bytes(KIND_OUT, lens, **sizes)).astype(np.float64)
-    kv_bytes = payload_bytes(KIND_KV, lens, **sizes).astype(np.float64)
+    kv_bytes = kv_block_bytes(lens, **sizes)
     nB, P = tiles.num_blocks, int(home.max()) + 1 if home.size else 1
     group = home if ranks_per_node is None else home // ranks_per_node  # the rank or node of every block
     G = int(group.max()) + 1 if home.size else 1

@@ -23,7 +23,7 @@ from .cost_model import CostModel, Topology
 from .finish import Finisher, finish_placement
 from .placement import Placement, per_rank_and_stage, weighted_bincount
 from .relay import add_relays, add_transit
-from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, bytes_per_token, payload_bytes, row_bytes
+from .schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q, bytes_per_token, kv_block_bytes, row_bytes
 from .stages import assign_stages
 from .stages_bwd import defer_backward_variants, defer_variant_sets
 from .starts import contiguous_cut_home, dealt_home, hierarchical_home, spread_read_blocks
@@ -245,7 +245,7 @@ def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostMo
     if init in ("hierarchical", "hierarchical-fcp", "hierarchical-fcp-wide"):
         return hierarchical_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
                                  inner="contiguous" if init == "hierarchical" else "fcp",
-                                 kv_bytes=payload_bytes(KIND_KV, tiles.block_lengths(), **sizes).astype(np.float64),
+                                 kv_bytes=kv_block_bytes(tiles.block_lengths(), **sizes),
                                  cut_links=cost_model.topology.ranks_per_node if init.endswith("-wide") else 1)
     if init == "zigzag":
         from .baselines import zigzag_home

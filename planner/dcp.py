@@ -117,7 +117,7 @@ from .passes import _deal_pass, _level_pass, _nic_passes, _second_opinion, _wort
 from .placement import Placement
 from .polish import polish_forward
 from .polish_bwd import polish_backward
-from .schedule import KIND_KV, as_relay_table, payload_bytes
+from .schedule import as_relay_table, kv_block_bytes
 from .tiles import TileSet, coarsen
 
 BASELINE_MARGIN = 1.25  # a baseline this much slower on merged blocks is not re-planned at full resolution
@@ -350,7 +350,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
         # rank's compute leaves it a chance.
         # (its homes, compute floor and plan once per call and its re-plans: no balancer setting enters them)
         if FCP_HOME not in memo:
-            kv_bytes = payload_bytes(KIND_KV, tiles.block_lengths(), **sizes).astype(np.float64)
+            kv_bytes = kv_block_bytes(tiles.block_lengths(), **sizes)
             fcp_home = strategy_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads,
                                      head_dim=head_dim, kv_bytes=kv_bytes,
                                      grad_ratio=grad_element_size / element_size)

@@ -45,7 +45,7 @@ import numpy as np
 from .cost_model import CostModel
 from .fcp_pack import cut_pieces, pack_pieces
 from .placement import Placement, compact_stages, prefix_sums, weighted_bincount
-from .schedule import KIND_KV, payload_bytes
+from .schedule import kv_block_bytes
 from .stages import assign_stages
 from .tile_loops import reads_from_afar, segment_crossings
 from .tiles import TileSet
@@ -300,8 +300,8 @@ def fcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
     tokens / 64 ranks of Wikipedia documents: compute imbalance 2.77, with document starts 1.13).
     ``home``: those homes (``strategy_home``), where the caller has them already."""
     if home is None:
-        kv_bytes = payload_bytes(KIND_KV, tiles.block_lengths(), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                 head_dim=head_dim, element_size=element_size).astype(np.float64)
+        kv_bytes = kv_block_bytes(tiles.block_lengths(), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                  head_dim=head_dim, element_size=element_size)
         home = strategy_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
                              kv_bytes=kv_bytes, grad_ratio=grad_element_size / element_size)
     rank = home[tiles.q]

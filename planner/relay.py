@@ -53,7 +53,7 @@ from .finish import Finisher
 from .jit import read_only_int64
 from .placement import Placement, compact_stages, per_rank_and_stage, run_heads
 from .schedule import (KIND_DKV, KIND_KV, KIND_OUT, KIND_Q, CommSchedule, InputGroups, as_relay_table,
-                       payload_bytes, receive_groups, row_bytes, schedule_rows)
+                       kv_block_bytes, receive_groups, row_bytes, schedule_rows)
 from .stages import LocalWork
 from .stages_bwd import backward_stages, backward_time, choose_backward_staging, spread_backward_local
 from .tiles import TileSet
@@ -99,7 +99,7 @@ def add_transit(tiles: TileSet, placement: Placement, *, world_size: int, cost_m
     block_len = tiles.block_lengths()
     nbytes = row_bytes(fwd[inter], block_len, **sizes)
     kw = dict(ranks_per_node=rpn, world_size=world_size,
-              kv_bytes=payload_bytes(KIND_KV, block_len, **sizes).astype(np.float64))
+              kv_bytes=kv_block_bytes(block_len, **sizes))
     send_load = np.bincount(fwd[inter, 1], weights=nbytes, minlength=world_size)
     by_receiver = transit_relays(home, groups, relay, side="receiver", **kw,
                                  load=np.bincount(fwd[inter, 2], weights=nbytes, minlength=world_size))

@@ -69,6 +69,12 @@ def payload_bytes(kind, block_len, *, num_q_heads: int, num_kv_heads: int, head_
     return np.where(valid, per_token[np.where(valid, kind, 0)] * rows, -1)
 
 
+def kv_block_bytes(block_len, **sizes) -> np.ndarray:
+    """Each block's KV payload in bytes, as float64 (the weight the placement heuristics price a read
+    or a cut block by); ``sizes`` as ``payload_bytes``' keywords."""
+    return payload_bytes(KIND_KV, block_len, **sizes).astype(np.float64)
+
+
 @functools.lru_cache(maxsize=64)
 def bytes_per_token(*, num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int,
                     grad_element_size: int = 4) -> np.ndarray:
