@@ -160,8 +160,8 @@ def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, hea
         raise ValueError(f"topology ({topology}) and cost_model.topology ({cost_model.topology}) disagree: give the "
                          "topology inside the cost model, CostModel(topology=..., fwd_rate=...), or only one of them")
     if not cost_model.is_plain():
-        raise ValueError("cost_model's balance_overlap, balance_duplex and balance_level_nodes are dcp's internal "
-                         "search settings: leave them at their defaults (0.0, False, False)")
+        raise ValueError("cost_model's balance_overlap, balance_duplex, balance_level_nodes and balance_priced_rows "
+                         "are dcp's internal search settings: leave them at their defaults (0.0, False, False, True)")
     return world_size, num_q_heads, num_kv_heads, head_dim, max_stages, cost_model
 
 

@@ -89,7 +89,8 @@ class Balancer:
     def __init__(self, tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology, *,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, grad_element_size: int = 4,
                  relay_aware: bool = False, spread_sends: bool = False, start: np.ndarray | None = None,
-                 overlap: float = 0.0, duplex: bool = False, level_nodes: bool = False, loads: tuple | None = None):
+                 overlap: float = 0.0, duplex: bool = False, level_nodes: bool = False, priced_rows: bool = True,
+                 loads: tuple | None = None):
         P, nB = world_size, tiles.num_blocks
         self.t, self.home, self.c, self.P, self.nB = tiles, home, compute, P, nB
         self.node = np.ascontiguousarray(topology.node_of(np.arange(P)), dtype=np.int64)
@@ -100,6 +101,7 @@ class Balancer:
         self.overlap = float(overlap)
         self.duplex = bool(duplex)
         self.level_nodes = bool(level_nodes) and self.multi_node
+        self.priced_rows = bool(priced_rows) and not self.multi_node
         self.q_bytes, self.kv_bytes, self.out_bytes, self._row_over_column = _block_payloads(
             tiles, (num_q_heads, num_kv_heads, head_dim, element_size, grad_element_size))
         self._mean_tile = compute.mean() if compute.size else 0.0
@@ -131,7 +133,7 @@ class Balancer:
                               level_nodes=self.level_nodes, slack=BALANCE_SLACK, max_rounds=MAX_ROUNDS,
                               max_targets=MAX_TARGETS_PER_DONOR, max_failed_homes=MAX_FAILED_HOMES,
                               max_move_tiles=MAX_MOVE_TILES, mean_tile=float(self._mean_tile),
-                              row_over_column=float(self._row_over_column), priced_rows=not self.multi_node)
+                              row_over_column=float(self._row_over_column), priced_rows=self.priced_rows)
         moves.count_start(self._state, self._rule)
 
     # ------------------------------------------------------------------ moves (planner/balance_moves.py)

@@ -324,6 +324,7 @@ def _balanced(tiles: TileSet, world_size: int, init: str | None, cost_model: Cos
     rank = balanced_ranks(tiles, home, flops / cost_model.fwd_rate, world_size, topology, start=start,
                           relay_aware=relay_aware, spread_sends=spread_sends, overlap=cost_model.balance_overlap,
                           duplex=cost_model.balance_duplex, level_nodes=cost_model.balance_level_nodes,
+                          priced_rows=cost_model.balance_priced_rows,
                           **sizes)
     return home, rank
 

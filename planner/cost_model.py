@@ -102,6 +102,9 @@ class CostModel:
     # ... and with balance_level_nodes, a node over the balancer's cap then levels its own ranks
     # (planner/balance.py ``level_nodes``).
     balance_level_nodes: bool = False
+    # ... and with balance_priced_rows (default), on one node rows go to a kv-home only in pieces no
+    # dearer a tile than a rectangle (planner/balance_moves.py ``priced_rows``); dcp re-plans without it.
+    balance_priced_rows: bool = True
 
     def __post_init__(self):
         if not isinstance(self.topology, Topology):
@@ -127,7 +130,8 @@ class CostModel:
     def is_plain(self) -> bool:
         """Whether the dcp balancer's settings (``balance_*``) are their defaults: they are dcp's internal
         search settings (its re-plans change them), not part of a cost model a caller gives."""
-        return self.balance_overlap == 0.0 and not self.balance_duplex and not self.balance_level_nodes
+        return (self.balance_overlap == 0.0 and not self.balance_duplex and not self.balance_level_nodes
+                and self.balance_priced_rows)
 
     def key(self) -> tuple:
         """The cache key of what scores a plan: the topology's and the compute rates."""

@@ -172,6 +172,16 @@ REPLAN_OVERLAP = 0.5
 # 6 of 168 plans faster (2 with the bytes rule) for +5-13% planning, none of six 1M / 64 batches. No
 # 8-rank plan of the three draws is slow enough to be re-planned.
 REPLAN_DUPLEX = True
+# On one node, a plan over REPLAN_FROM_ONE_NODE x the bound whose busiest rank still computes over
+# UNPRICED_FROM x the mean (the bound) is also planned again with duplex links and the balancer's rows
+# unpriced (``CostModel.balance_priced_rows`` False: rows go to a kv-home in pieces of any length).
+# Pricing them saves bytes (32 (32): ~8% on seed 1's cases) but can leave a rank over the cap, where the
+# answers of a shared question read its few KV blocks in short pieces that no rectangle replaces (32
+# (32), seed 1's first Wikipedia batch: 1.087x the bound before the priced rows, 1.143x with them).
+# Without the imbalance test it won that one case of 144 (32 (32) and 8 (8), seeds 0, 1, 777) for +30%
+# planning at 32 (32).
+REPLAN_UNPRICED = True
+UNPRICED_FROM = 1.03
 # The kept plan's forward stages are polished by planner/polish.py (a local search on the slowest rank's
 # exposed exchanges); on one node only from this many times the bound, as below it the polish costs
 # about as long as planning a 128K batch on 8 ranks (1-26 ms) for gains under 0.1%.
@@ -215,7 +225,7 @@ FCP_HOME = "fcp-home"  # (the memo's key of the fcp strategy's homes and their c
 SEARCH_STEPS = ("candidates", "restaging", "baselines", "second opinion", "backward deferral",
                 "NIC-shy and spread passes", "deal pass", "leveling pass", "fan-out", "polish",
                 "re-plan weighing exposed transfers",
-                "re-plan with duplex links", "the fcp strategy's plan")
+                "re-plan with duplex links", "re-plan with unpriced rows", "the fcp strategy's plan")
 # The steps ``effort="fast"`` skips: those after the NIC-shy and spread passes but the fcp strategy's plan.
 # Measured on the 1M / 64 Wikipedia batches and the 128K batches of ``bench/bench_effort.py --quick`` on
 # 32 / 8 and 16 / 4 (16 plans, fp32 partials), fwd + bwd over the bound geomean and planning time in all:
@@ -224,7 +234,7 @@ SEARCH_STEPS = ("candidates", "restaging", "baselines", "second opinion", "backw
 # plans whose NICs bind lose most there (long-tail causal on 32 / 8: 1.114 / 1.304 / 1.525x); only the
 # polishes and re-plans skipped 1.125, 29 s.
 FAST_SKIPS = ("deal pass", "leveling pass", "fan-out", "polish", "re-plan weighing exposed transfers",
-              "re-plan with duplex links")
+              "re-plan with duplex links", "re-plan with unpriced rows")
 
 
 def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, num_kv_heads: int,
@@ -300,7 +310,7 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
             beaten.append(before)
     replan_from = REPLAN_FROM if multi_node else REPLAN_FROM_ONE_NODE
     replan = (runs("re-plan weighing exposed transfers") and world_size > 1 and result.sim_time > replan_from * bound
-              and cost_model.balance_overlap == 0 and not cost_model.balance_duplex)
+              and cost_model.balance_overlap == 0 and not cost_model.balance_duplex and cost_model.balance_priced_rows)
     if (FANOUT and runs("fan-out") and not multi_node and result.sim_time > POLISH_FROM_ONE_NODE * bound
             and as_relay_table(result.kv_relay).shape[0] == 0):
         # (after the deal pass: a fan-out pays where the widely read blocks' homes no longer compute
@@ -340,6 +350,17 @@ def dcp(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: 
             if again.sim_time < result.sim_time and _worth_its_bytes(tiles, again, result, sizes):
                 result = again
             steps.append(("re-plan with duplex links", result.sim_time))
+        if (REPLAN_UNPRICED and runs("re-plan with unpriced rows") and not multi_node
+                and _time_floor(result.tile_rank, cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads,
+                                                                        head_dim=head_dim), world_size, cost_model)
+                > UNPRICED_FROM * bound):
+            # (with duplex links, as the re-plan above; by the bytes rule too: the rows it sheds to kv-homes
+            # in short pieces are what the priced rows saved)
+            again = _replanned(tiles, world_size, cost_model, max_stages, sizes, polish, memo, effort,
+                               balance_duplex=True, balance_priced_rows=False)
+            if again.sim_time < result.sim_time and _worth_its_bytes(tiles, again, result, sizes):
+                result = again
+            steps.append(("re-plan with unpriced rows", result.sim_time))
     if (FCP_PLAN_LAST and init is None and world_size > 1
             and (multi_node or result.sim_time > first_pass.GOOD_ENOUGH * bound)):
         # Last, the fcp strategy's own plan as it is (FCP's homes, every tile on its q-block's home):
@@ -398,7 +419,8 @@ def _polished(tiles: TileSet, placement: Placement, world_size: int, cost_model:
     key = None
     if memo is not None:
         key = (_content_key(placement), placement.sim_time, world_size,
-               replace(cost_model, balance_overlap=0.0, balance_duplex=False, balance_level_nodes=False),
+               replace(cost_model, balance_overlap=0.0, balance_duplex=False, balance_level_nodes=False,
+                       balance_priced_rows=True),
                tuple(sorted(sizes.items())))
         if key in memo:
             return memo[key]

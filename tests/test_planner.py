@@ -190,6 +190,7 @@ def test_the_plan_cache_keeps_to_its_byte_budget_and_always_the_newest_plan(monk
         (dict(cost_model="h100"), TypeError, "cost_model must be a blockattn.planner.CostModel, got str"),
         (dict(cost_model=CostModel(), topology=Topology(ranks_per_node=2)), ValueError, "disagree"),
         (dict(cost_model=CostModel(balance_duplex=True)), ValueError, "internal search settings"),
+        (dict(cost_model=CostModel(balance_priced_rows=False)), ValueError, "balance_priced_rows"),
         (dict(mask_spec="causal"), TypeError, "MaskSpec"),
     ],
 )

@@ -18,7 +18,7 @@ from blockattn.planner import passes as passes_module
 from blockattn.planner.dcp import SEARCH_STEPS
 from blockattn.planner.schedule import KIND_KV, payload_bytes
 
-from batches import long_tail_docs, short_docs
+from batches import long_tail_docs, shared_question_answers, short_docs
 from dcp_modules import set_dcp
 
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)  # Llama-3-8B attention: compute-bound tiles
@@ -927,6 +927,42 @@ def test_dcp_replans_its_slow_one_node_plans_with_the_duplex_estimate(monkeypatc
     clear_plan_cache()
     assert without > dcp_module.REPLAN_FROM_ONE_NODE and True in seen and False in seen
     assert with_duplex < 0.95 * without, (with_duplex, without)
+
+
+def test_dcp_replans_a_one_node_plan_left_over_the_cap_with_unpriced_rows(monkeypatch):
+    """A one-node plan over REPLAN_FROM_ONE_NODE x the bound whose busiest rank computes over UNPRICED_FROM
+    x the mean is planned again with duplex links and the balancer's rows unpriced
+    (``CostModel.balance_priced_rows`` False, REPLAN_UNPRICED): 16 ranks, a shared question of 32K tokens,
+    1.124 -> 1.030x the bound (the answers read the question's few KV blocks in short row pieces, which
+    the priced rows leave on the busiest rank)."""
+    import blockattn.planner.balance as balance_module
+
+    question, answers = shared_question_answers(1, 32768)
+    spec = MaskSpec.shared_question(question, answers)
+    topology = Topology(ranks_per_node=16)
+
+    def plan():
+        clear_plan_cache()
+        return make_plan(spec, 16, block_size=64, topology=topology, **HEADS)
+
+    with monkeypatch.context() as patch:
+        set_dcp(patch, "REPLAN_UNPRICED", False)
+        without = plan()
+    seen = []
+    real_balancer = balance_module.Balancer
+
+    def spy(*args, priced_rows=True, **kwargs):
+        seen.append(priced_rows)
+        return real_balancer(*args, priced_rows=priced_rows, **kwargs)
+
+    monkeypatch.setattr(balance_module, "Balancer", spy)
+    with_unpriced = plan()
+    clear_plan_cache()
+    steps = dict(with_unpriced.search_over_bound())
+    assert "re-plan with unpriced rows" not in dict(without.search_over_bound())
+    assert True in seen and False in seen
+    assert steps["re-plan with unpriced rows"] < 0.95 * steps["re-plan with duplex links"], steps
+    assert _over_bound(with_unpriced.stats()) < 0.95 * _over_bound(without.stats())
 
 
 def test_dcp_keeps_a_duplex_replan_only_where_it_is_worth_its_bytes(monkeypatch):

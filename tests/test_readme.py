@@ -1,6 +1,7 @@
 """The README's code runs as printed: its API example (the first Python block under "## The API") in a
 fresh interpreter, the planning-ahead snippet at least compiled against that example's names. A
-renamed function or argument in the library then fails here instead of in a user's first session."""
+renamed function or argument in the library then fails here instead of in a user's first session. Its
+planner tables are the committed benchmark runs' (bench/planner_tables.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,3 +49,24 @@ def test_the_planning_ahead_snippet_compiles_with_the_examples_names():
     exec(compile(imports + "\n" + ahead, "README.md", "exec"), namespace)
     assert callable(namespace["training_loop"])
     assert namespace["PlanAhead"].__name__ == "PlanAhead"
+
+
+def test_the_planner_tables_quote_the_committed_benchmark_runs():
+    """Each of the README's planner tables is bench/planner_tables.py's print of a committed JSON: a
+    re-run benchmark whose README was not updated fails here (refresh: the script prints the tables)."""
+    from bench_scripts import load_bench
+
+    tables = load_bench("planner_tables")
+    readme = (ROOT / "README.md").read_text()
+    for kind, json_name in (("configurations", "bench_planner.json"), ("configurations", "bench_planner_bf16grad.json"),
+                            ("masks", "bench_planner.json"), ("held-out", "bench_planner_seed1.json")):
+        table = tables.table(kind, ROOT / "bench" / "results" / json_name)
+        assert table in readme, (f"the README's {kind} table of {json_name} is not the committed run's; "
+                                 f"print it with: python bench/planner_tables.py {kind} bench/results/{json_name}\n{table}")
+
+
+def test_planner_tables_refuse_an_unknown_table():
+    from bench_scripts import load_bench
+
+    with pytest.raises(ValueError, match="unknown table 'bytes'"):
+        load_bench("planner_tables").table("bytes")

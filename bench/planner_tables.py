@@ -1,0 +1,116 @@
+"""The README's planner tables, printed from bench_planner's JSON (so the README quotes the committed
+runs, and tests/test_readme.py checks that it still does).
+
+    python bench/planner_tables.py [configurations|masks|held-out] [JSON]
+
+- ``configurations`` (default; bench/results/bench_planner.json): per world size / ranks per node, dcp
+  over the lower bound, its speedup over zigzag and zigzag-ring, and its bytes against theirs.
+- ``masks``: per mask and configuration, dcp's speedup over zigzag-ring (geomean, min) and over zigzag,
+  next to the DCP paper's low end for that kind of mask.
+- ``held-out`` (bench/results/bench_planner_seed1.json): the shorter table of another draw.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ORDER = ("8/8", "8/4", "16/8", "16/4", "32/8", "32/32")  # one node first, then by ranks
+MASKS = (("causal_docs", "causal documents"), ("lambda_docs", "lambda"), ("shared_question", "shared question"),
+         ("causal_blockwise", "causal_blockwise"))
+
+
+def _label(cfg: str) -> str:
+    P, rpn = cfg.split("/")
+    return f"{P} ({rpn})"
+
+
+def _one_node(cfg: str) -> bool:
+    P, rpn = cfg.split("/")
+    return int(rpn) >= int(P)
+
+
+def _between_nodes(cfg: str, c: dict) -> str:
+    return "-" if _one_node(cfg) else f"{c['inter_node_bytes_over_zigzag_geomean']:.2f}x"
+
+
+def _speedup(x: float) -> str:
+    """Three significant figures: 2.22, 11.8."""
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _rows(by_cfg: dict):
+    for cfg in ORDER:
+        if cfg in by_cfg:
+            yield cfg, by_cfg[cfg]
+
+
+def configurations(report: dict) -> str:
+    out = [_row(["ranks (per node)", "dcp / lower bound", "dcp vs zigzag", "dcp vs zigzag-ring",
+                 "dcp bytes vs zigzag-ring", "dcp bytes vs zigzag: all / between nodes"]),
+           _row(["---"] * 6)]
+    for cfg, c in _rows(report["by_configuration"]):
+        out.append(_row([
+            _label(cfg),
+            f"{c['dcp_over_lower_bound_geomean']:.3f} geomean, {c['dcp_over_lower_bound_max']:.2f} max, "
+            f"{c['dcp_over_lower_bound_time_weighted']:.2f} weighted; imbalance <= {c['dcp_imbalance_max']:.2f}",
+            f"{c['speedup_vs_zigzag_geomean']:.2f}x (min {c['speedup_vs_zigzag_min']:.2f}x)",
+            f"{_speedup(c['speedup_vs_zigzag_ring_geomean'])}x",
+            f"{c['bytes_over_zigzag_ring_geomean']:.2f}x",
+            f"{c['bytes_over_zigzag_geomean']:.2f}x / {_between_nodes(cfg, c)}"]))
+    return "\n".join(out)
+
+
+def masks(report: dict) -> str:
+    per_mask = report["by_mask_and_configuration"]
+    cfgs = [cfg for cfg in ORDER if any(cfg in per_mask[m] for m, _ in MASKS if m in per_mask)]
+    out = [_row(["mask (paper's low end)"] + [_label(cfg) for cfg in cfgs]), _row(["---"] * (len(cfgs) + 1))]
+    for mask, name in MASKS:
+        if mask not in per_mask:
+            continue
+        cells = [f"{name} ({per_mask[mask]['dcp_paper_low_end']:.2f}x)"]
+        for cfg in cfgs:
+            c = per_mask[mask].get(cfg)
+            if c is None:
+                cells.append("-")
+                continue
+            ring, low = _speedup(c["speedup_vs_zigzag_ring_geomean"]), _speedup(c["speedup_vs_zigzag_ring_min"])
+            # one batch's cases that all tie (causal_blockwise: the same mask on every batch) show no min
+            ring = f"{ring}x" if low == ring else f"{ring}x ({low})"
+            cells.append(f"{ring} / {c['speedup_vs_zigzag_geomean']:.2f}x")
+        out.append(_row(cells))
+    return "\n".join(out)
+
+
+def held_out(report: dict) -> str:
+    out = [_row(["ranks (per node)", "dcp / lower bound", "dcp vs zigzag", "dcp bytes vs zigzag: all / between nodes"]),
+           _row(["---"] * 4)]
+    for cfg, c in _rows(report["by_configuration"]):
+        out.append(_row([
+            _label(cfg), f"{c['dcp_over_lower_bound_geomean']:.3f} / {c['dcp_over_lower_bound_max']:.2f}",
+            f"{c['speedup_vs_zigzag_geomean']:.2f}x (min {c['speedup_vs_zigzag_min']:.2f}x)",
+            f"{c['bytes_over_zigzag_geomean']:.2f}x / {_between_nodes(cfg, c)}"]))
+    return "\n".join(out)
+
+
+TABLES = {"configurations": (configurations, "bench_planner.json"), "masks": (masks, "bench_planner.json"),
+          "held-out": (held_out, "bench_planner_seed1.json")}
+
+
+def table(kind: str, path: str | Path | None = None) -> str:
+    """The markdown table ``kind`` (a key of TABLES) of the JSON at ``path`` (default: its committed run)."""
+    if kind not in TABLES:
+        raise ValueError(f"unknown table {kind!r}; choose one of {sorted(TABLES)}")
+    make, default = TABLES[kind]
+    return make(json.loads(Path(path or RESULTS / default).read_text()))
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    print(table(args[0] if args else "configurations", args[1] if len(args) > 1 else None))
