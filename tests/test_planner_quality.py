@@ -898,6 +898,22 @@ def test_wide_node_packing_splits_a_heavy_document_over_nodes_and_is_dropped_whe
     _assert_dedupe_keeps_the_plan(monkeypatch, short, 8, topology)
 
 
+def _spy_on_balancers(monkeypatch, setting: str, default) -> list:
+    """Every Balancer built from here on records its ``setting`` keyword (``default`` where not given) in
+    the returned list."""
+    import blockattn.planner.balance as balance_module
+
+    seen = []
+    real_balancer = balance_module.Balancer
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get(setting, default))
+        return real_balancer(*args, **kwargs)
+
+    monkeypatch.setattr(balance_module, "Balancer", spy)
+    return seen
+
+
 def test_dcp_replans_its_slow_one_node_plans_with_the_duplex_estimate(monkeypatch):
     """A one-node plan over REPLAN_FROM_ONE_NODE x the bound is also planned again with every balancer
     taking each link's busier direction (``CostModel.balance_duplex``, REPLAN_DUPLEX), and the fastest
@@ -905,7 +921,6 @@ def test_dcp_replans_its_slow_one_node_plans_with_the_duplex_estimate(monkeypatc
     documents, 1.313 -> 1.220x the bound with 10% more bytes (another draw went 1.252 -> 1.161x with 3%
     fewer bytes before the Balancer priced rows against rectangles, ``priced_rows``, which made the re-plan
     gain 4.4% there)."""
-    import blockattn.planner.balance as balance_module
     import blockattn.planner.dcp as dcp_module
 
     spec = MaskSpec.documents(long_tail_docs(0, 32768))
@@ -914,14 +929,7 @@ def test_dcp_replans_its_slow_one_node_plans_with_the_duplex_estimate(monkeypatc
         set_dcp(patch, "REPLAN_DUPLEX", False)
         clear_plan_cache()
         without = _over_bound(make_plan(spec, 32, block_size=64, topology=topology, **HEADS).stats())
-    seen = []
-    real_balancer = balance_module.Balancer
-
-    def spy(*args, duplex=False, **kwargs):
-        seen.append(duplex)
-        return real_balancer(*args, duplex=duplex, **kwargs)
-
-    monkeypatch.setattr(balance_module, "Balancer", spy)
+    seen = _spy_on_balancers(monkeypatch, "duplex", False)
     clear_plan_cache()
     with_duplex = _over_bound(make_plan(spec, 32, block_size=64, topology=topology, **HEADS).stats())
     clear_plan_cache()
@@ -935,7 +943,6 @@ def test_dcp_replans_a_one_node_plan_left_over_the_cap_with_unpriced_rows(monkey
     (``CostModel.balance_priced_rows`` False, REPLAN_UNPRICED): 16 ranks, a shared question of 32K tokens,
     1.124 -> 1.030x the bound (the answers read the question's few KV blocks in short row pieces, which
     the priced rows leave on the busiest rank)."""
-    import blockattn.planner.balance as balance_module
 
     question, answers = shared_question_answers(1, 32768)
     spec = MaskSpec.shared_question(question, answers)
@@ -948,14 +955,7 @@ def test_dcp_replans_a_one_node_plan_left_over_the_cap_with_unpriced_rows(monkey
     with monkeypatch.context() as patch:
         set_dcp(patch, "REPLAN_UNPRICED", False)
         without = plan()
-    seen = []
-    real_balancer = balance_module.Balancer
-
-    def spy(*args, priced_rows=True, **kwargs):
-        seen.append(priced_rows)
-        return real_balancer(*args, priced_rows=priced_rows, **kwargs)
-
-    monkeypatch.setattr(balance_module, "Balancer", spy)
+    seen = _spy_on_balancers(monkeypatch, "priced_rows", True)
     with_unpriced = plan()
     clear_plan_cache()
     steps = dict(with_unpriced.search_over_bound())
