@@ -178,8 +178,8 @@ REPLAN_DUPLEX = True
 # Pricing them saves bytes (32 (32): ~8% on seed 1's cases) but can leave a rank over the cap, where the
 # answers of a shared question read its few KV blocks in short pieces that no rectangle replaces (32
 # (32), seed 1's first Wikipedia batch: 1.087x the bound before the priced rows, 1.143x with them).
-# Without the imbalance test it won that one case of 144 (32 (32) and 8 (8), seeds 0, 1, 777) for +30%
-# planning at 32 (32).
+# Without the imbalance test it won that plan and one more of 144 (32 (32) and 8 (8), seeds 0, 1, 777:
+# a long-tail causal one, 2.4%) for +30-36% planning at 32 (32); with it, that plan alone, for +4 / -1%.
 REPLAN_UNPRICED = True
 UNPRICED_FROM = 1.03
 # The kept plan's forward stages are polished by planner/polish.py (a local search on the slowest rank's
