@@ -26,7 +26,7 @@ Model (stated once, used by ``Plan.stats()`` and by the dcp stage splitter):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -127,11 +127,15 @@ class CostModel:
         return cls(topology=Topology() if topology is None else topology, fwd_rate=float(fwd_tflops) * 1e12,
                    bwd_flops_factor=BWD_FLOPS_RATIO * float(fwd_tflops) / float(bwd_tflops))
 
+    def plain(self) -> "CostModel":
+        """This cost model with the dcp balancer's settings (``balance_*``) at their defaults: they are
+        dcp's internal search settings (its re-plans change them), not part of a cost model a caller gives."""
+        return replace(self, balance_overlap=0.0, balance_duplex=False, balance_level_nodes=False,
+                       balance_priced_rows=True)
+
     def is_plain(self) -> bool:
-        """Whether the dcp balancer's settings (``balance_*``) are their defaults: they are dcp's internal
-        search settings (its re-plans change them), not part of a cost model a caller gives."""
-        return (self.balance_overlap == 0.0 and not self.balance_duplex and not self.balance_level_nodes
-                and self.balance_priced_rows)
+        """Whether the balancer's settings are their defaults (``plain``)."""
+        return self == self.plain()
 
     def key(self) -> tuple:
         """The cache key of what scores a plan: the topology's and the compute rates."""

@@ -418,9 +418,7 @@ def _polished(tiles: TileSet, placement: Placement, world_size: int, cost_model:
     64 ranks 3 of 15 s."""
     key = None
     if memo is not None:
-        key = (_content_key(placement), placement.sim_time, world_size,
-               replace(cost_model, balance_overlap=0.0, balance_duplex=False, balance_level_nodes=False,
-                       balance_priced_rows=True),
+        key = (_content_key(placement), placement.sim_time, world_size, cost_model.plain(),
                tuple(sorted(sizes.items())))
         if key in memo:
             return memo[key]

@@ -223,32 +223,33 @@ def strategy_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num
     On several nodes, with ``kv_bytes`` [nB] (each block's KV payload; ``grad_ratio``: its dK/dV
     partial's bytes over it), these homes or ``node_first_home``'s, whichever ``owner_time_estimate``
     finds faster (either wins by up to ~2x on some batches: docs/planner_log.md, session 44)."""
+    # (the tiles' and blocks' compute once, for both placements and the estimate)
+    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
+    block_flops = weighted_bincount(tiles.q, flops, tiles.num_blocks)
     home = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
-                    documents=True, piece_share=PIECE_SHARE,
+                    documents=True, piece_share=PIECE_SHARE, block_flops=block_flops,
                     neighbor_affinity=neighbor_affinity_for(world_size, cost_model))
     if kv_bytes is None or world_size <= cost_model.topology.ranks_per_node:
         return home
     nodes_first = node_first_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads,
-                                  head_dim=head_dim, kv_bytes=kv_bytes)
-    flops = cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim)
+                                  head_dim=head_dim, kv_bytes=kv_bytes, block_flops=block_flops)
     moved = kv_bytes * (1.0 + grad_ratio)  # KV there, its dK/dV partial back
     estimate = [owner_time_estimate(tiles, h, flops, moved, world_size, cost_model) for h in (home, nodes_first)]
     return nodes_first if estimate[1] < estimate[0] else home
 
 
 def node_first_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_heads: int, head_dim: int,
-                    kv_bytes: np.ndarray) -> np.ndarray:
+                    kv_bytes: np.ndarray, block_flops: np.ndarray) -> np.ndarray:
     """FCP's packing one level at a time: segments (documents cut where they start) onto nodes, a
     segment heavier than a node split into as many contiguous parts as pay for the KV the cuts send
     over the NICs (``fcp_home`` with node bins and ``kv_bytes``); then each node's blocks onto its ranks
     by the compute of their whole rows (reads of other nodes' KV included), as the fcp strategy packs
-    ranks. Documents stay inside a node where they fit, so only the split ones cross the NICs."""
+    ranks. Documents stay inside a node where they fit, so only the split ones cross the NICs.
+    ``block_flops`` [nB]: the compute of each block's whole row."""
     rpn = cost_model.topology.ranks_per_node
     node_ranks = np.bincount(np.arange(world_size) // rpn)
     node = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
-                    bin_ranks=node_ranks, kv_bytes=kv_bytes, documents=True)
-    row = weighted_bincount(tiles.q, cost_model.tile_flops(tiles.pairs, num_q_heads=num_q_heads, head_dim=head_dim),
-                            tiles.num_blocks)
+                    bin_ranks=node_ranks, kv_bytes=kv_bytes, documents=True, block_flops=block_flops)
     home = np.empty(tiles.num_blocks, dtype=np.int64)
     # each node's own sub-batch (the tiles it holds both blocks of), in (q, kv) order: the inside tiles
     # grouped by node with a stable sort on a small key (one pass, not a mask per node)
@@ -269,7 +270,7 @@ def node_first_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, n
                       q=local[tiles.q[sel]], kv=local[tiles.kv[sel]], full=tiles.full[sel], pairs=tiles.pairs[sel])
         home[blocks] = n * rpn + fcp_home(sub, ranks, cost_model=cost_model, num_q_heads=num_q_heads,
                                           head_dim=head_dim, documents=True, piece_share=PIECE_SHARE,
-                                          block_flops=row[blocks], neighbor_affinity=NEIGHBOR_AFFINITY)
+                                          block_flops=block_flops[blocks], neighbor_affinity=NEIGHBOR_AFFINITY)
     return home
 
 

@@ -16,7 +16,7 @@ from blockattn.planner import candidates as candidates_module
 from blockattn.planner import first_pass as first_pass_module
 from blockattn.planner import passes as passes_module
 from blockattn.planner.dcp import SEARCH_STEPS
-from blockattn.planner.schedule import KIND_KV, payload_bytes
+from blockattn.planner.schedule import KIND_KV, kv_block_bytes, payload_bytes
 
 from batches import long_tail_docs, shared_question_answers, short_docs
 from dcp_modules import set_dcp
@@ -383,7 +383,7 @@ def test_kv_read_across_counts_each_block_crossing_a_cut_once(lens, block, kind)
             "shared_question": lambda: MaskSpec.shared_question(lens[0], lens[1:] or [1]),
             "blockwise": lambda: MaskSpec.causal_blockwise(T, block=32, k_local=2)}[kind]()
     tiles = TileSet.from_block_mask(spec.block_mask(block))
-    kv_bytes = payload_bytes(KIND_KV, tiles.block_lengths(), element_size=2, **HEADS).astype(np.float64)
+    kv_bytes = kv_block_bytes(tiles.block_lengths(), element_size=2, **HEADS)
     np.testing.assert_allclose(kv_read_across(tiles, kv_bytes), _kv_read_across_by_brute_force(tiles, kv_bytes))
 
 
@@ -1663,14 +1663,17 @@ def test_mostly_split_segments_by_hand():
 def _fcp_candidates(spec, world_size, ranks_per_node, block_size=128):
     """(tiles, cost model, KV bytes, the fcp strategy's one-level homes, its node-first homes)."""
     from blockattn.planner import fcp as fcp_module
+    from blockattn.planner.placement import weighted_bincount
     from blockattn.planner.tiles import TileSet
 
     tiles = TileSet.from_block_mask(spec.block_mask(block_size))
     cost_model = CostModel(topology=Topology(ranks_per_node=ranks_per_node))
-    kv_bytes = payload_bytes(KIND_KV, tiles.block_lengths(), element_size=2, **HEADS).astype(np.float64)
+    kv_bytes = kv_block_bytes(tiles.block_lengths(), element_size=2, **HEADS)
     kw = dict(cost_model=cost_model, num_q_heads=HEADS["num_q_heads"], head_dim=HEADS["head_dim"])
+    block_flops = weighted_bincount(tiles.q, cost_model.tile_flops(tiles.pairs, num_q_heads=HEADS["num_q_heads"],
+                                                                   head_dim=HEADS["head_dim"]), tiles.num_blocks)
     return (tiles, cost_model, kv_bytes, fcp_module.strategy_home(tiles, world_size, **kw),
-            fcp_module.node_first_home(tiles, world_size, kv_bytes=kv_bytes, **kw))
+            fcp_module.node_first_home(tiles, world_size, kv_bytes=kv_bytes, block_flops=block_flops, **kw))
 
 
 @pytest.mark.parametrize("seed, world_size, ranks_per_node", [(0, 16, 4), (3, 12, 4), (5, 24, 8)])
