@@ -32,7 +32,7 @@ import multiprocessing as mp
 
 import torch
 
-from .api import check_mask_spec, check_plan_args, make_plan
+from .api import DEFAULT_MEMORY_SLACK, check_mask_spec, check_plan_args, make_plan
 from .cost_model import CostModel, Topology
 from .plan import Plan
 from .sharded import HandOver
@@ -66,11 +66,11 @@ class PlanAhead:
                  dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
                  topology: Topology | None = None, max_stages: int = 4, grad_comm_dtype: torch.dtype = torch.float32,
                  effort: str = "full", workers: int = 1, mp_context: str = "spawn",
-                 cost_model: CostModel | None = None):
+                 cost_model: CostModel | None = None, memory_slack: float = DEFAULT_MEMORY_SLACK):
         world_size, num_q_heads, num_kv_heads, head_dim, max_stages, cost_model = check_plan_args(
             world_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
             block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages,
-            grad_comm_dtype=grad_comm_dtype, effort=effort, cost_model=cost_model)
+            grad_comm_dtype=grad_comm_dtype, effort=effort, cost_model=cost_model, memory_slack=memory_slack)
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be an int >= 1, got {workers!r}")
         if mp_context not in mp.get_all_start_methods():
@@ -79,7 +79,7 @@ class PlanAhead:
         self.world_size = world_size
         self._kwargs = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                             block_size=block_size, strategy=strategy, cost_model=cost_model, max_stages=max_stages,
-                            grad_comm_dtype=grad_comm_dtype, effort=effort)
+                            grad_comm_dtype=grad_comm_dtype, effort=effort, memory_slack=memory_slack)
         self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(mp_context),
                                          initializer=_init_worker)
         self._started = self._pool.submit(_ready)  # start the workers now, not at the first batch

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from . import baselines, dcp, fcp, hypergraph
+from .dcp import DEFAULT_MEMORY_SLACK
 from .check import check_plan
 from .cost_model import CostModel, Topology
 from .finish import finish_placement
@@ -65,6 +66,7 @@ STRATEGIES = ("dcp", "fcp", "ring", "zigzag", "allgather", "hypergraph")
 # dcp's search: "full" runs every pass of planner/dcp.py; "fast" stops after the NIC-shy and spread passes
 # (and the fcp strategy's plan), skipping the later passes (planner/dcp.py FAST_SKIPS)
 EFFORTS = ("full", "fast")
+MAX_MEMORY_SLACK = 0.5  # (make_plan's ``memory_slack``; its default, DEFAULT_MEMORY_SLACK, is planner/dcp.py's)
 
 
 def default_block_size(total_len: int, world_size: int, mask_spec=None) -> int:
@@ -120,7 +122,7 @@ GRAD_COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                     block_size: int | None, strategy: str, topology: Topology | None, max_stages: int,
                     grad_comm_dtype: torch.dtype = torch.float32, effort: str = "full",
-                    cost_model: CostModel | None = None) -> tuple:
+                    cost_model: CostModel | None = None, memory_slack: float = DEFAULT_MEMORY_SLACK) -> tuple:
     """Validate make_plan's arguments other than the mask (TypeError / ValueError naming the bad one);
     returns (world_size, num_q_heads, num_kv_heads, head_dim, max_stages, cost_model) normalized, the
     cost model holding the topology (``topology`` or ``cost_model``'s, which must agree where both are
@@ -147,9 +149,15 @@ def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, hea
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if not isinstance(effort, str) or effort not in EFFORTS:
         raise ValueError(f"unknown effort {effort!r}; choose \"full\" (default: dcp's whole search) or \"fast\" "
-                         "(dcp without its later passes: about half the planning time on several nodes)")
+                         "(dcp without its later passes: 1.3-4x less planning time on several nodes)")
     if block_size is not None:
         _check_positive_int("block_size", block_size)
+    if isinstance(memory_slack, bool) or not isinstance(memory_slack, (int, float)):
+        raise TypeError(f"memory_slack must be a number (the fraction of the mean tokens per rank a rank may hold "
+                        f"beyond it, e.g. 0.05), got {type(memory_slack).__name__}")
+    if not (0 <= memory_slack <= MAX_MEMORY_SLACK):
+        raise ValueError(f"memory_slack must be in [0, {MAX_MEMORY_SLACK}] (0: every rank holds the mean tokens, "
+                         f"to a block), got {memory_slack!r}")
     if topology is not None and not isinstance(topology, Topology):
         raise TypeError(f"topology must be a blockattn.planner.Topology, got {type(topology).__name__}")
     if cost_model is None:
@@ -160,8 +168,9 @@ def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, hea
         raise ValueError(f"topology ({topology}) and cost_model.topology ({cost_model.topology}) disagree: give the "
                          "topology inside the cost model, CostModel(topology=..., fwd_rate=...), or only one of them")
     if not cost_model.is_plain():
-        raise ValueError("cost_model's balance_overlap, balance_duplex, balance_level_nodes and balance_priced_rows "
-                         "are dcp's internal search settings: leave them at their defaults (0.0, False, False, True)")
+        raise ValueError("cost_model's balance_overlap, balance_duplex, balance_level_nodes, balance_priced_rows and "
+                         "home_memory_slack are dcp's internal search settings: leave them at their defaults (0.0, "
+                         "False, False, True, 0.0); make_plan's memory_slack sets how far memory may be unbalanced")
     return world_size, num_q_heads, num_kv_heads, head_dim, max_stages, cost_model
 
 
@@ -175,7 +184,8 @@ def check_mask_spec(mask_spec) -> None:
 def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
               dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
               topology: Topology | None = None, max_stages: int = 4, grad_comm_dtype: torch.dtype = torch.float32,
-              effort: str = "full", check: bool = True, cost_model: CostModel | None = None) -> Plan:
+              effort: str = "full", check: bool = True, cost_model: CostModel | None = None,
+              memory_slack: float = DEFAULT_MEMORY_SLACK) -> Plan:
     """Plan one batch: which rank holds each token block, which rank computes each non-empty tile
     in which stage, and every transfer that implies (see docs/design.md, "Plan").
 
@@ -201,9 +211,14 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     ``effort`` (dcp; the other strategies plan the same either way): "full" (default) runs dcp's whole
     search; "fast" stops after its first pass, the baselines' check, the second opinion, the backward
     deferral and the NIC-shy and spread passes, skipping the later ones (deal and leveling passes,
-    fan-out, polishes, re-plans: planner/dcp.py FAST_SKIPS): about half the planning time on several
-    nodes for 2-10% more simulated time in geomean, up to 28% on a 1M-token batch (README, "Planning
+    fan-out, polishes, re-plans: planner/dcp.py FAST_SKIPS): 1.3-4x less planning time on several
+    nodes for 0.5-11% more simulated time in geomean, up to 24% on a 1M-token batch (README, "Planning
     effort").
+    ``memory_slack`` (dcp): how many tokens beyond the mean a rank may hold, as a fraction of the mean
+    (default 0.05). dcp balances memory to the block first; a plan still over 1.05x the lower bound is
+    planned again with FCP's packings allowed this slack, and kept where faster: a document heavier
+    than its node's share then no longer forces the lightest documents that fill the node's memory onto
+    it too (README, "memory slack"). 0: every rank holds the mean, to a block.
     ``check``: verify the plan's consistency (planner/check.py ``check_plan``) before returning.
     To keep planning out of the training step, plan the next batches ahead with ``PlanAhead``
     (planner/ahead.py), which runs this function in a worker process.
@@ -211,17 +226,19 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     world_size, num_q_heads, num_kv_heads, head_dim, max_stages, cost_model = check_plan_args(
         world_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
         block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages,
-        grad_comm_dtype=grad_comm_dtype, effort=effort, cost_model=cost_model)
+        grad_comm_dtype=grad_comm_dtype, effort=effort, cost_model=cost_model, memory_slack=memory_slack)
     check_mask_spec(mask_spec)
     total_len = int(mask_spec.total_len)
     if block_size is None:
         block_size = default_block_size(total_len, world_size, mask_spec)
     block_size = _check_positive_int("block_size", block_size)
+    memory_slack = float(memory_slack)
     if strategy != "dcp":
         effort = "full"  # (only dcp has a search to cut short: the others' plans are cached once)
+        memory_slack = 0.0  # (nor a re-plan to use it)
 
     key = (mask_spec.signature(), world_size, num_q_heads, num_kv_heads, head_dim, str(dtype), block_size,
-           strategy, cost_model.key(), max_stages, str(grad_comm_dtype), effort)
+           strategy, cost_model.key(), max_stages, str(grad_comm_dtype), effort, memory_slack)
     cached = _cache.get(key)
     if cached is not None:
         _cache.move_to_end(key)
@@ -232,7 +249,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     placement = _strategies()[strategy](
         tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize,
-        max_stages=max_stages, effort=effort)
+        max_stages=max_stages, effort=effort, memory_slack=memory_slack)
     plan = build_plan(tiles, placement, strategy=strategy, world_size=world_size, num_q_heads=num_q_heads,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                       mask_signature=mask_spec.signature(), cost_model=cost_model, grad_comm_dtype=grad_comm_dtype)

@@ -105,6 +105,11 @@ class CostModel:
     # ... and with balance_priced_rows (default), on one node rows go to a kv-home only in pieces no
     # dearer a tile than a rectangle (planner/balance_moves.py ``priced_rows``); dcp re-plans without it.
     balance_priced_rows: bool = True
+    # Not a balancer setting but dcp's too: with home_memory_slack, FCP's packings of its starts (planner/
+    # fcp.py ``fcp_home``: "fcp", "fcp-docs", the "hierarchical" ones' nodes) may give a rank (a node) up to
+    # this fraction of the mean blocks more than the mean; dcp re-plans its slow plans with make_plan's
+    # ``memory_slack`` here (planner/dcp.py MEMORY_REPLAN_FROM).
+    home_memory_slack: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.topology, Topology):
@@ -114,6 +119,8 @@ class CostModel:
         _check_positive_number("CostModel.bwd_flops_factor", self.bwd_flops_factor, "e.g. 2.5")
         if not (math.isfinite(self.balance_overlap) and self.balance_overlap >= 0):
             raise ValueError(f"CostModel.balance_overlap must be >= 0, got {self.balance_overlap!r}")
+        if not (math.isfinite(self.home_memory_slack) and self.home_memory_slack >= 0):
+            raise ValueError(f"CostModel.home_memory_slack must be >= 0, got {self.home_memory_slack!r}")
 
     @classmethod
     def from_kernel_tflops(cls, fwd_tflops: float, bwd_tflops: float, *,
@@ -128,10 +135,11 @@ class CostModel:
                    bwd_flops_factor=BWD_FLOPS_RATIO * float(fwd_tflops) / float(bwd_tflops))
 
     def plain(self) -> "CostModel":
-        """This cost model with the dcp balancer's settings (``balance_*``) at their defaults: they are
-        dcp's internal search settings (its re-plans change them), not part of a cost model a caller gives."""
+        """This cost model with the dcp balancer's settings (``balance_*``) and ``home_memory_slack`` at their
+        defaults: they are dcp's internal search settings (its re-plans change them), not part of a cost
+        model a caller gives."""
         return replace(self, balance_overlap=0.0, balance_duplex=False, balance_level_nodes=False,
-                       balance_priced_rows=True)
+                       balance_priced_rows=True, home_memory_slack=0.0)
 
     def is_plain(self) -> bool:
         """Whether the balancer's settings are their defaults (``plain``)."""

@@ -37,14 +37,16 @@ def skip_backward_deferral(monkeypatch):
 
 @pytest.fixture
 def skip_replan(monkeypatch):
-    """A function that, called, switches off dcp's re-plan with the overlap-aware balancer (both of its
-    thresholds, several nodes and one node) for the rest of the test."""
+    """A function that, called, switches off dcp's re-plans for the rest of the test: with the
+    overlap-aware balancer (both of its thresholds, several nodes and one node, and the duplex and unpriced
+    ones that follow it) and with memory slack."""
 
     def skip():
         from dcp_modules import set_dcp
 
         for name in ("REPLAN_FROM", "REPLAN_FROM_ONE_NODE"):
             set_dcp(monkeypatch, name, float("inf"))
+        set_dcp(monkeypatch, "MEMORY_REPLAN", False)
 
     return skip
 

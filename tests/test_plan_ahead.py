@@ -73,6 +73,8 @@ def test_bad_input_is_refused_before_planning(planner):
         PlanAhead(4, effort="thorough", **HEADS)
     with pytest.raises(TypeError, match="cost_model must be"):
         PlanAhead(4, cost_model=Topology(), **HEADS)
+    with pytest.raises(ValueError, match="memory_slack must be in"):
+        PlanAhead(4, memory_slack=-0.05, **HEADS)
     with pytest.raises(TypeError, match="module-level function"):
         planner.submit(MaskSpec.from_mask_mod(lambda q, k: k <= q, 50))
     with pytest.raises(TypeError, match="must be a blockattn MaskSpec"):

@@ -540,13 +540,15 @@ def test_deferred_backward_hides_a_homes_idle_exchanges(skip_backward_deferral, 
     documents compute most of their backward in stage 0 and then wait on their helpers' partials;
     deferring whole remote-KV groups into those stages (``with_deferred_backward``) hides part of the
     wait: 1.191 -> 1.069x the bound, without the polishes (with them: 1.084 -> 1.050; the backward
-    polish moves such groups too, one at a time). The plans are checked (make_plan's default)."""
+    polish moves such groups too, one at a time). The plans are checked (make_plan's default); memory is
+    balanced to the block (the re-plan with memory slack reaches 1.025x without the deferral)."""
     skip_polish()
     rng = np.random.default_rng(0)
     spec = MaskSpec.documents(rng.integers(8000, 24000, 3).tolist() + rng.integers(64, 3000, 12).tolist())
 
     def step_over_bound():
-        s = make_plan(spec, 16, block_size=128, topology=Topology(ranks_per_node=8), **HEADS).stats()
+        s = make_plan(spec, 16, block_size=128, topology=Topology(ranks_per_node=8), memory_slack=0,
+                      **HEADS).stats()
         return _over_bound(s)
 
     deferred = step_over_bound()
@@ -965,6 +967,29 @@ def test_dcp_replans_a_one_node_plan_left_over_the_cap_with_unpriced_rows(monkey
     assert _over_bound(with_unpriced.stats()) < 0.95 * _over_bound(without.stats())
 
 
+def test_dcp_replans_a_slow_plan_with_memory_slack():
+    """A plan over MEMORY_REPLAN_FROM x the bound is planned again with FCP's packings allowed make_plan's
+    ``memory_slack`` and kept where faster: 8 ranks, 4 per node, 16K tokens of long-tail documents, 1.524 ->
+    1.399x the bound, a rank holding 33 blocks where the mean is 32 (``floor(nB * 1.05 / P)``). With
+    ``memory_slack=0`` every rank holds the mean, and the strategies that do not re-plan ignore it."""
+    import blockattn.planner.dcp as dcp_module
+
+    spec = MaskSpec.documents(long_tail_docs(1, 16384))
+    kwargs = dict(block_size=64, topology=Topology(ranks_per_node=4), num_q_heads=8, num_kv_heads=2, head_dim=64)
+    clear_plan_cache()
+    exact = make_plan(spec, 8, memory_slack=0, **kwargs)
+    slack = make_plan(spec, 8, **kwargs)  # (default 0.05)
+    steps = dict(slack.search_over_bound())
+    assert "re-plan with memory slack" not in dict(exact.search_over_bound())
+    assert steps["re-plan with memory slack"] < 0.95 * steps["re-plan weighing exposed transfers"], steps
+    assert _over_bound(slack.stats()) < 0.95 * _over_bound(exact.stats()) and exact.num_blocks == 256
+    assert _over_bound(exact.stats()) > dcp_module.MEMORY_REPLAN_FROM
+    assert max(exact.stats()["tokens"]) == 32 * 64
+    assert max(slack.stats()["tokens"]) == 33 * 64  # floor(256 * 1.05 / 8) blocks
+    assert make_plan(spec, 8, strategy="fcp", memory_slack=0, **kwargs) is make_plan(spec, 8, strategy="fcp", **kwargs)
+    clear_plan_cache()
+
+
 def test_dcp_keeps_a_duplex_replan_only_where_it_is_worth_its_bytes(monkeypatch):
     """16 ranks on one node, 32K tokens of long-tail documents: the duplex re-plan is 2.4% faster than
     the kept plan (1.032 against 1.057x the bound) but moves 1.87x its bytes, more than that pays for
@@ -1220,7 +1245,8 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferra
 
     def plan():
         clear_plan_cache()
-        return make_plan(spec, 6, block_size=128, topology=topo, **HEADS)
+        # (memory balanced to the block: the re-plan with memory slack would plan it again)
+        return make_plan(spec, 6, block_size=128, topology=topo, memory_slack=0, **HEADS)
 
     threshold = dcp_module.SECOND_OPINION
     final = plan()
