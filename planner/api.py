@@ -152,7 +152,7 @@ def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, hea
                          "(dcp without its later passes: 1.3-4x less planning time on several nodes)")
     if block_size is not None:
         _check_positive_int("block_size", block_size)
-    if isinstance(memory_slack, bool) or not isinstance(memory_slack, (int, float)):
+    if isinstance(memory_slack, bool) or not isinstance(memory_slack, (int, float, np.integer, np.floating)):
         raise TypeError(f"memory_slack must be a number (the fraction of the mean tokens per rank a rank may hold "
                         f"beyond it, e.g. 0.05), got {type(memory_slack).__name__}")
     if not (0 <= memory_slack <= MAX_MEMORY_SLACK):

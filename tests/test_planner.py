@@ -196,6 +196,7 @@ def test_the_plan_cache_keeps_to_its_byte_budget_and_always_the_newest_plan(monk
         (dict(memory_slack=0.75), ValueError, "memory_slack must be in"),
         (dict(memory_slack="5%"), TypeError, "memory_slack must be a number"),
         (dict(memory_slack=True), TypeError, "memory_slack must be a number"),
+        (dict(memory_slack=np.float32("nan")), ValueError, "memory_slack must be in"),
         (dict(mask_spec="causal"), TypeError, "MaskSpec"),
     ],
 )
