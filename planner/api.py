@@ -156,8 +156,8 @@ def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, hea
         raise TypeError(f"memory_slack must be a number (the fraction of the mean tokens per rank a rank may hold "
                         f"beyond it, e.g. 0.05), got {type(memory_slack).__name__}")
     if not (0 <= memory_slack <= MAX_MEMORY_SLACK):
-        raise ValueError(f"memory_slack must be in [0, {MAX_MEMORY_SLACK}] (0: every rank holds the mean tokens, "
-                         f"to a block), got {memory_slack!r}")
+        raise ValueError(f"memory_slack must be in [0, {MAX_MEMORY_SLACK}] (a fraction of the mean tokens per rank; "
+                         f"0: no re-plan with memory slack), got {memory_slack!r}")
     if topology is not None and not isinstance(topology, Topology):
         raise TypeError(f"topology must be a blockattn.planner.Topology, got {type(topology).__name__}")
     if cost_model is None:
@@ -215,10 +215,11 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     nodes for 0.5-11% more simulated time in geomean, up to 24% on a 1M-token batch (README, "Planning
     effort").
     ``memory_slack`` (dcp): how many tokens beyond the mean a rank may hold, as a fraction of the mean
-    (default 0.05). dcp balances memory to the block first; a plan still over 1.05x the lower bound is
-    planned again with FCP's packings allowed this slack, and kept where faster: a document heavier
-    than its node's share then no longer forces the lightest documents that fill the node's memory onto
-    it too (README, "memory slack"). 0: every rank holds the mean, to a block.
+    (default 0.05). dcp's placements first balance memory as before (FCP's packings to the block,
+    contiguous runs within 3% of a run at each cut); a plan still over 1.05x the lower bound is planned
+    again with FCP's packings allowed this slack, and kept where faster: a document heavier than its
+    node's share then no longer forces the lightest documents that fill the node's memory onto it too
+    (README, "memory slack"). 0: no such re-plan.
     ``check``: verify the plan's consistency (planner/check.py ``check_plan``) before returning.
     To keep planning out of the training step, plan the next batches ahead with ``PlanAhead``
     (planner/ahead.py), which runs this function in a worker process.

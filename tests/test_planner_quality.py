@@ -541,7 +541,7 @@ def test_deferred_backward_hides_a_homes_idle_exchanges(skip_backward_deferral, 
     deferring whole remote-KV groups into those stages (``with_deferred_backward``) hides part of the
     wait: 1.191 -> 1.069x the bound, without the polishes (with them: 1.084 -> 1.050; the backward
     polish moves such groups too, one at a time). The plans are checked (make_plan's default); memory is
-    balanced to the block (the re-plan with memory slack reaches 1.025x without the deferral)."""
+    balanced as without slack (the re-plan with memory slack reaches 1.025x without the deferral)."""
     skip_polish()
     rng = np.random.default_rng(0)
     spec = MaskSpec.documents(rng.integers(8000, 24000, 3).tolist() + rng.integers(64, 3000, 12).tolist())
@@ -1245,7 +1245,7 @@ def test_second_opinion_keeps_the_faster_plan(monkeypatch, skip_backward_deferra
 
     def plan():
         clear_plan_cache()
-        # (memory balanced to the block: the re-plan with memory slack would plan it again)
+        # (no re-plan with memory slack: it would plan this batch again)
         return make_plan(spec, 6, block_size=128, topology=topo, memory_slack=0, **HEADS)
 
     threshold = dcp_module.SECOND_OPINION

@@ -246,7 +246,7 @@ def test_a_plan_turned_down_for_its_bytes_is_polished_too_and_kept_where_it_then
                                                 memory_slack=0, **HEADS))
     set_dcp(monkeypatch, "_worth_its_bytes", recording)
     clear_plan_cache()
-    # (memory balanced to the block: the re-plan with memory slack finds a plan as fast without the polish)
+    # (no re-plan with memory slack: it finds a plan as fast without the polish)
     plan = make_plan(spec, 8, block_size=64, topology=topology, check=True, memory_slack=0, **HEADS)
     clear_plan_cache()
     time, nbytes = step(plan)
