@@ -192,8 +192,8 @@ def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel,
             sub = TileSet(total_len=blocks.size * tiles.block_size, block_size=tiles.block_size,
                           num_blocks=blocks.size, q=local[tiles.q[sel]], kv=local[tiles.kv[sel]],
                           full=tiles.full[sel], pairs=tiles.pairs[sel])
-            home[blocks] = n * rpn + fcp_home(sub, ranks, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
-                                              memory_slack=0.0)
+            home[blocks] = n * rpn + fcp_home(sub, ranks, cost_model=cost_model, num_q_heads=num_q_heads,
+                                              head_dim=head_dim, memory_slack=0.0)
         else:
             home[blocks] = n * rpn + runs_to_home(balanced_bounds(blocks.size, ranks), np.arange(ranks), blocks.size)
     return home
