@@ -36,9 +36,9 @@ from blockattn.masks import MaskSpec
 from blockattn.planner import CostModel, Topology, clear_plan_cache, make_plan
 from blockattn.planner.api import DEFAULT_MEMORY_SLACK
 from blockattn.planner.candidates import coarsening_factor
-from blockattn.planner.starts import CUT_SLACK
 from blockattn.planner.dcp import RIVAL_GAIN
 from blockattn.planner.first_pass import GOOD_ENOUGH
+from blockattn.planner.starts import CUT_SLACK
 from blockattn.planner.tiles import TileSet
 
 STRATEGIES = ("dcp", "fcp", "zigzag", "ring", "allgather")
@@ -117,7 +117,8 @@ def check_batch(spec: MaskSpec, args: dict) -> tuple[dict, str | None]:
         links = {k: v for k, v in hardware.items() if not k.endswith("tflops")}
         kw["cost_model"] = CostModel.from_kernel_tflops(hardware["fwd_tflops"], hardware["bwd_tflops"],
                                                         topology=Topology(ranks_per_node=rpn, **links))
-    over, plans = {}, {}
+    over = {}
+    dcp_merged = 1  # (the factor dcp merges blocks by, for its memory promise and its promise on one node)
     for strategy in STRATEGIES:
         plan = make_plan(spec, P, strategy=strategy, check=True, **kw)
         tokens = torch.cat([plan.local_tokens(r) for r in range(P)])
@@ -127,22 +128,20 @@ def check_batch(spec: MaskSpec, args: dict) -> tuple[dict, str | None]:
         # start's two cuts' slack, and two blocks (zigzag's chunks i and 2P-1-i each round up), merged ones
         # where dcp plans on merged blocks
         held = np.bincount(plan.block_home.numpy(), minlength=P).max()
-        merged = 1
         if strategy == "dcp":
-            merged = coarsening_factor(TileSet.from_block_mask(spec.block_mask(plan.block_size)), P)
+            dcp_merged = coarsening_factor(TileSet.from_block_mask(spec.block_mask(plan.block_size)), P)
+        merged = dcp_merged if strategy == "dcp" else 1
         if held > plan.num_blocks * (1 + max(DEFAULT_MEMORY_SLACK, 2 * CUT_SLACK)) / P + 2 * merged:
             return over, (f"{strategy}: a rank holds {held} of {plan.num_blocks} blocks, over the mean plus "
                           f"the memory slack and two (merged) blocks")
-        over[strategy], plans[strategy] = plan.stats()["sim_over_bound"], plan
+        over[strategy] = plan.stats()["sim_over_bound"]
     slack = 1e-9
     if P > rpn:
         promised = BASELINES + ("fcp",)
     elif over["dcp"] <= GOOD_ENOUGH:
         promised, slack = BASELINES, RIVAL_GAIN + 1e-9
     else:
-        tiles = TileSet.from_block_mask(spec.block_mask(plans["dcp"].block_size))
-        merged = coarsening_factor(tiles, P) > 1
-        promised = BASELINES if not merged else ()
+        promised = BASELINES if dcp_merged == 1 else ()
     faster = [s for s in promised if over[s] * (1 + slack) < over["dcp"]]
     return over, (f"dcp slower than {', '.join(faster)}" if faster else None)
 

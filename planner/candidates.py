@@ -257,7 +257,8 @@ def _initial_home(tiles: TileSet, world_size: int, init: str, cost_model: CostMo
         from .fcp import fcp_home, neighbor_affinity_for
 
         return fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
-                        documents=init == "fcp-docs", neighbor_affinity=neighbor_affinity_for(world_size, cost_model))
+                        documents=init == "fcp-docs", neighbor_affinity=neighbor_affinity_for(world_size, cost_model),
+                        memory_slack=cost_model.home_memory_slack)
     raise ValueError(f"unknown dcp init {init!r}; choose contiguous, hierarchical, hierarchical-fcp, "
                      "hierarchical-fcp-wide, hierarchical-spread, zigzag, fcp, fcp-docs, dealt or dealt-nodes")
 

@@ -105,10 +105,10 @@ class CostModel:
     # ... and with balance_priced_rows (default), on one node rows go to a kv-home only in pieces no
     # dearer a tile than a rectangle (planner/balance_moves.py ``priced_rows``); dcp re-plans without it.
     balance_priced_rows: bool = True
-    # Not a balancer setting but dcp's too: with home_memory_slack, FCP's packings of its starts (planner/
-    # fcp.py ``fcp_home``: "fcp", "fcp-docs", the "hierarchical" ones' nodes) may give a rank (a node) up to
-    # this fraction of the mean blocks more than the mean; dcp re-plans its slow plans with make_plan's
-    # ``memory_slack`` here (planner/dcp.py MEMORY_REPLAN_FROM).
+    # Not a balancer setting but dcp's too: with home_memory_slack, the FCP packings of dcp's starts pass it
+    # to planner/fcp.py ``fcp_home`` ("fcp", "fcp-docs", the "hierarchical" ones' nodes), which may then give
+    # a rank (a node) up to this fraction of the mean blocks more than the mean; dcp re-plans its slow plans
+    # with make_plan's ``memory_slack`` here (planner/dcp.py MEMORY_REPLAN_FROM).
     home_memory_slack: float = 0.0
 
     def __post_init__(self):

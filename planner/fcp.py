@@ -131,7 +131,7 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
              bin_ranks: np.ndarray | None = None, kv_bytes: np.ndarray | None = None,
              contiguous_parts: bool = False, documents: bool = False, cut_links: int = 1,
              piece_share: float = math.inf, neighbor_affinity: float = 0.0,
-             block_flops: np.ndarray | None = None, memory_slack: float | None = None) -> np.ndarray:
+             block_flops: np.ndarray | None = None, memory_slack: float = 0.0) -> np.ndarray:
     """Bin of every block (see module docstring, steps 1-3). Bins are ranks by default; with
     ``bin_ranks`` (ranks per bin, e.g. per node) bin i gets memory and compute in proportion, and
     with ``kv_bytes`` (each block's KV payload) a segment heavier than a bin's compute share is
@@ -147,9 +147,9 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     least loaded (step 3; ``neighbor_affinity_for`` for the fcp homes of ranks). ``block_flops`` [nB]:
     each block's compute, where it is more than its tiles here (a node's blocks whose rows also read
     other nodes' KV, ``node_first_home``). ``memory_slack``: a bin may hold up to ``floor(nB * (1 +
-    memory_slack))`` blocks per rank of its weight, not just its share (None: ``cost_model.home_memory_slack``,
-    set by dcp's re-plan with make_plan's ``memory_slack``): a bin holding a heavy segment then takes fewer
-    of the light blocks that fill it (planner/dcp.py MEMORY_REPLAN_FROM)."""
+    memory_slack))`` blocks per rank of its weight, not just its share (dcp's starts pass
+    ``cost_model.home_memory_slack``, which its re-plan sets to make_plan's ``memory_slack``): a bin holding
+    a heavy segment then takes fewer of the light blocks that fill it (planner/dcp.py MEMORY_REPLAN_FROM)."""
     nB = tiles.num_blocks
     weight = np.ones(world_size) if bin_ranks is None else np.asarray(bin_ranks, dtype=np.float64)
     P = weight.size
@@ -161,8 +161,6 @@ def fcp_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num_q_he
     prefix = prefix_sums(block_flops)
     per_rank = -(-nB // int(weight.sum()))
     cap = (per_rank * weight).astype(np.int64)
-    if memory_slack is None:
-        memory_slack = cost_model.home_memory_slack
     if memory_slack > 0:
         cap = np.maximum(cap, np.floor(nB * (1 + memory_slack) / weight.sum()) * weight).astype(np.int64)
     piece = max(1, per_rank // PIECES_PER_RANK)
@@ -236,7 +234,7 @@ def strategy_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, num
     block_flops = weighted_bincount(tiles.q, flops, tiles.num_blocks)
     home = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
                     documents=True, piece_share=PIECE_SHARE, block_flops=block_flops,
-                    neighbor_affinity=neighbor_affinity_for(world_size, cost_model), memory_slack=0.0)
+                    neighbor_affinity=neighbor_affinity_for(world_size, cost_model))
     if kv_bytes is None or world_size <= cost_model.topology.ranks_per_node:
         return home
     nodes_first = node_first_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads,
@@ -257,8 +255,7 @@ def node_first_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, n
     rpn = cost_model.topology.ranks_per_node
     node_ranks = np.bincount(np.arange(world_size) // rpn)
     node = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
-                    bin_ranks=node_ranks, kv_bytes=kv_bytes, documents=True, block_flops=block_flops,
-                    memory_slack=0.0)
+                    bin_ranks=node_ranks, kv_bytes=kv_bytes, documents=True, block_flops=block_flops)
     home = np.empty(tiles.num_blocks, dtype=np.int64)
     # each node's own sub-batch (the tiles it holds both blocks of), in (q, kv) order: the inside tiles
     # grouped by node with a stable sort on a small key (one pass, not a mask per node)
@@ -279,8 +276,7 @@ def node_first_home(tiles: TileSet, world_size: int, *, cost_model: CostModel, n
                       q=local[tiles.q[sel]], kv=local[tiles.kv[sel]], full=tiles.full[sel], pairs=tiles.pairs[sel])
         home[blocks] = n * rpn + fcp_home(sub, ranks, cost_model=cost_model, num_q_heads=num_q_heads,
                                           head_dim=head_dim, documents=True, piece_share=PIECE_SHARE,
-                                          block_flops=block_flops[blocks], neighbor_affinity=NEIGHBOR_AFFINITY,
-                                          memory_slack=0.0)
+                                          block_flops=block_flops[blocks], neighbor_affinity=NEIGHBOR_AFFINITY)
     return home
 
 

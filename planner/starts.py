@@ -179,7 +179,8 @@ def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel,
     node_ranks = np.bincount(np.arange(world_size) // rpn)
     node = fcp_home(tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim,
                     bin_ranks=node_ranks, kv_bytes=kv_bytes if inner == "fcp" else None,
-                    contiguous_parts=inner == "fcp", documents=inner == "contiguous", cut_links=cut_links)
+                    contiguous_parts=inner == "fcp", documents=inner == "contiguous", cut_links=cut_links,
+                    memory_slack=cost_model.home_memory_slack)
     home = np.empty(tiles.num_blocks, dtype=np.int64)
     local = np.full(tiles.num_blocks, -1, dtype=np.int64)
     if inner == "fcp":
@@ -192,8 +193,7 @@ def hierarchical_home(tiles: TileSet, world_size: int, *, cost_model: CostModel,
             sub = TileSet(total_len=blocks.size * tiles.block_size, block_size=tiles.block_size,
                           num_blocks=blocks.size, q=local[tiles.q[sel]], kv=local[tiles.kv[sel]],
                           full=tiles.full[sel], pairs=tiles.pairs[sel])
-            home[blocks] = n * rpn + fcp_home(sub, ranks, cost_model=cost_model, num_q_heads=num_q_heads,
-                                              head_dim=head_dim, memory_slack=0.0)
+            home[blocks] = n * rpn + fcp_home(sub, ranks, cost_model=cost_model, num_q_heads=num_q_heads, head_dim=head_dim)
         else:
             home[blocks] = n * rpn + runs_to_home(balanced_bounds(blocks.size, ranks), np.arange(ranks), blocks.size)
     return home
