@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench_planner import BLOCK, HEADS, SEQLENS, _geomean, draw_batches, make_masks, wiki_batch
+from bench_planner import BLOCK, HEADS, SEQLENS, _geomean, draw_batches, make_masks, warm_up_planner, wiki_batch
 from blockattn.masks import MaskSpec
 from blockattn.planner import Topology, clear_plan_cache, make_plan
 
@@ -75,6 +75,7 @@ def main() -> None:
     torch.set_num_threads(1)
     wiki = np.loadtxt(SEQLENS, dtype=np.int64)
     seeds = args.seeds[:2] if args.quick else args.seeds
+    warm_up_planner()
 
     big = []
     for seed in tqdm(seeds, desc="1M / 64"):

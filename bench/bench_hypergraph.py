@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_planner import BLOCK, HEADS, SEQLENS, _geomean, cases, draw_batches
+from bench_planner import BLOCK, HEADS, SEQLENS, _geomean, cases, draw_batches, warm_up_planner
 from blockattn.planner import Topology, clear_plan_cache, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +83,7 @@ def main() -> None:
     T = 128 * 1024
     n_batches = 1 if args.quick else 3
     configs = [(8, 8), (16, 8)] + ([] if args.quick else [(16, 4), (32, 8)])
+    warm_up_planner(STRATEGIES)
     results = []
     for b, src, _lens, mask_name, spec, P, rpn in cases(draw_batches(rng, wiki, T, n_batches), configs, "cases"):
         topo = Topology(ranks_per_node=rpn)

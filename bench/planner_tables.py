@@ -1,13 +1,14 @@
-"""The README's planner tables, printed from bench_planner's JSON (so the README quotes the committed
-runs, and tests/test_readme.py checks that it still does).
+"""The README's planner tables, printed from bench_planner's and bench_hypergraph's JSON (so the README
+quotes the committed runs, and tests/test_readme.py checks that it still does).
 
-    python bench/planner_tables.py [configurations|masks|held-out] [JSON]
+    python bench/planner_tables.py [configurations|masks|held-out|hypergraph] [JSON]
 
 - ``configurations`` (default; bench/results/bench_planner.json): per world size / ranks per node, dcp
   over the lower bound, its speedup over zigzag and zigzag-ring, and its bytes against theirs.
 - ``masks``: per mask and configuration, dcp's speedup over zigzag-ring (geomean, min) and over zigzag,
   next to the DCP paper's low end for that kind of mask.
 - ``held-out`` (bench/results/bench_planner_seed1.json): the shorter table of another draw.
+- ``hypergraph`` (bench/results/bench_hypergraph.json): dcp against the hypergraph partitioner.
 """
 
 from __future__ import annotations
@@ -99,8 +100,40 @@ def held_out(report: dict) -> str:
     return "\n".join(out)
 
 
+def _two_figures(x: float) -> str:
+    """Two significant figures, no exponent: 0.28, 2.7, 15, 540."""
+    return f"{float(f'{x:.2g}'):g}"
+
+
+def _planning(ms: float, max_ms: float) -> str:
+    """A median planning time and its max, in ms under 0.1 s: '15 ms (25)', '2.7 s (15)'."""
+    if ms < 100:
+        return f"{_two_figures(ms)} ms ({_two_figures(max_ms)})"
+    return f"{_two_figures(ms / 1e3)} s ({_two_figures(max_ms / 1e3)})"
+
+
+def hypergraph(report: dict) -> str:
+    """bench_hypergraph's summary: dcp and the hypergraph partitioner over the bound, the partitioner's bytes
+    against dcp's, the planning times of both."""
+    out = [_row(["ranks (per node)", "dcp / bound: geomean (max)", "hypergraph / bound: geomean (max)",
+                 "hypergraph bytes vs dcp: all / between nodes", "planning, median (max): dcp / hypergraph"]),
+           _row(["---"] * 5)]
+    by_cfg = {f"{e['world_size']}/{e['ranks_per_node']}": e for e in report["by_configuration"]}
+    for cfg, e in _rows(by_cfg):
+        dcp, hyper = e["dcp"], e["hypergraph"]
+        inter = "-" if _one_node(cfg) else f"{hyper['bytes_inter_node_over_dcp_geomean']:.2f}x"
+        out.append(_row([
+            _label(cfg),
+            f"{dcp['step_over_lower_bound_geomean']:.3f} ({dcp['step_over_lower_bound_max']:.2f})",
+            f"{hyper['step_over_lower_bound_geomean']:.3f} ({hyper['step_over_lower_bound_max']:.3g})",
+            f"{hyper['bytes_over_dcp_geomean']:.2f}x / {inter}",
+            f"{_planning(dcp['plan_ms_median'], dcp['plan_ms_max'])} / "
+            f"{_planning(hyper['plan_ms_median'], hyper['plan_ms_max'])}"]))
+    return "\n".join(out)
+
+
 TABLES = {"configurations": (configurations, "bench_planner.json"), "masks": (masks, "bench_planner.json"),
-          "held-out": (held_out, "bench_planner_seed1.json")}
+          "held-out": (held_out, "bench_planner_seed1.json"), "hypergraph": (hypergraph, "bench_hypergraph.json")}
 
 
 def table(kind: str, path: str | Path | None = None) -> str:

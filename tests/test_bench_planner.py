@@ -99,3 +99,19 @@ def test_search_by_configuration_counts_the_steps_that_made_a_plan_faster():
     assert steps["backward deferral"]["gain_when_faster"] == pytest.approx(0.25)  # 1.5 / 1.2
     assert steps["polish"]["faster"] == 1 and steps["polish"]["gain_when_faster"] == pytest.approx(0.1)
     assert summary["8/8"] == {"candidates": {"ran": 1, "faster": 0, "gain_when_faster": 0.0}}
+
+
+def test_warm_up_plans_each_strategy_on_one_node_and_two_and_leaves_no_plan_cached(monkeypatch):
+    """``warm_up_planner`` (the benches that time single plans call it first) plans its small batch with
+    every strategy named, on one node of 8 ranks and on two of 4, and clears the plan cache after, so the
+    timed plans start cold."""
+    bench = _bench_planner()
+    import blockattn.planner.api as api
+
+    seen = []
+    make_plan = bench.make_plan
+    monkeypatch.setattr(bench, "make_plan", lambda spec, P, **kw: seen.append(
+        (kw["strategy"], P, kw["topology"].ranks_per_node)) or make_plan(spec, P, **kw))
+    bench.warm_up_planner(("zigzag", "fcp"))
+    assert seen == [("zigzag", 8, 8), ("zigzag", 8, 4), ("fcp", 8, 8), ("fcp", 8, 4)]
+    assert len(api._cache) == 0

@@ -59,7 +59,8 @@ def test_the_planner_tables_quote_the_committed_benchmark_runs():
     tables = load_bench("planner_tables")
     readme = (ROOT / "README.md").read_text()
     for kind, json_name in (("configurations", "bench_planner.json"), ("configurations", "bench_planner_bf16grad.json"),
-                            ("masks", "bench_planner.json"), ("held-out", "bench_planner_seed1.json")):
+                            ("masks", "bench_planner.json"), ("held-out", "bench_planner_seed1.json"),
+                            ("hypergraph", "bench_hypergraph.json")):
         table = tables.table(kind, ROOT / "bench" / "results" / json_name)
         assert table in readme, (f"the README's {kind} table of {json_name} is not the committed run's; "
                                  f"print it with: python bench/planner_tables.py {kind} bench/results/{json_name}\n{table}")
