@@ -34,9 +34,8 @@ import torch
 from bench_planner import SEQLENS
 from blockattn.masks import MaskSpec
 from blockattn.planner import CostModel, Topology, clear_plan_cache, make_plan
-from blockattn.planner.api import DEFAULT_MEMORY_SLACK
 from blockattn.planner.candidates import coarsening_factor
-from blockattn.planner.dcp import RIVAL_GAIN
+from blockattn.planner.dcp import DEFAULT_MEMORY_SLACK, RIVAL_GAIN
 from blockattn.planner.first_pass import GOOD_ENOUGH
 from blockattn.planner.starts import CUT_SLACK
 from blockattn.planner.tiles import TileSet

@@ -142,7 +142,8 @@ class CostModel:
                        balance_priced_rows=True, home_memory_slack=0.0)
 
     def is_plain(self) -> bool:
-        """Whether the balancer's settings are their defaults (``plain``)."""
+        """Whether dcp's internal search settings (``balance_*``, ``home_memory_slack``) are their defaults
+        (``plain``)."""
         return self == self.plain()
 
     def key(self) -> tuple:
