@@ -73,6 +73,28 @@ def _validate(q, k, v, mask_spec):
         raise ValueError(f"mask_spec.total_len = {mask_spec.total_len} but q has T = {q.shape[0]} tokens")
 
 
+def check_softmax_scale(softmax_scale) -> None:
+    """ValueError unless ``softmax_scale`` is None (1/sqrt(D)) or a positive finite number: a NaN scale
+    gives NaN everywhere, and a zero one uniform attention over whatever the mask allows."""
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
+            math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number (None: 1/sqrt(D)), got {softmax_scale!r}")
+
+
+def _check_plan_block_size(plan, block_size) -> None:
+    """TypeError for a ``plan`` that is not a Plan; ValueError for a ``block_size`` other than the plan's
+    (the kernels walk the plan's tiles, so another block size would be ignored)."""
+    for name in ("world_size", "block_size", "mask_signature", "fingerprint"):
+        if not hasattr(plan, name):
+            raise TypeError(f"plan must be a Plan from blockattn.make_plan or None (missing .{name}), "
+                            f"got {type(plan).__name__}")
+    if block_size is not None and block_size != plan.block_size:
+        raise ValueError(f"block_size={block_size!r} but the plan was made with block_size={plan.block_size}; "
+                         "leave block_size out (the plan's is used) or make the plan with that block_size")
+
+
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, tiles, tiles_t, kmask, scale, backend: Backend):
@@ -110,14 +132,25 @@ def block_attention(q, k, v, mask_spec, plan=None, *, softmax_scale=None, return
     walk (default: the plan's, else 128 on CUDA and 32 on CPU, larger for masks with millions of tiles). Returns ``out`` (and ``lse [Hq, T]``
     fp32 when ``return_lse``); fully masked rows give out 0 and lse -inf.
     """
-    if plan is not None and int(plan.world_size) > 1:
-        from blockattn.distributed import distributed_block_attention
+    check_softmax_scale(softmax_scale)
+    if plan is not None:
+        _check_plan_block_size(plan, block_size)
+        if int(plan.world_size) > 1:
+            from blockattn.distributed import distributed_block_attention
 
-        return distributed_block_attention(q, k, v, mask_spec, plan, softmax_scale=softmax_scale,
-                                           return_lse=return_lse, backend=backend, group=group)
+            return distributed_block_attention(q, k, v, mask_spec, plan, softmax_scale=softmax_scale,
+                                               return_lse=return_lse, backend=backend, group=group)
     _validate(q, k, v, mask_spec)
-    if block_size is None:
-        block_size = int(plan.block_size) if plan is not None else default_block_size(q.device, mask_spec)
+    if plan is not None:  # (a one-rank plan is held to the same inputs as a distributed one)
+        from blockattn.distributed import _validate_against_plan
+
+        _validate_against_plan(q, k, mask_spec, plan, 0)
+        block_size = plan.block_size
+    elif block_size is None:
+        block_size = default_block_size(q.device, mask_spec)
+    elif isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int (tokens per tile side) or None, got "
+                        f"{type(block_size).__name__} ({block_size!r})")
     be = get_backend(backend)
     D = q.shape[2]
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)

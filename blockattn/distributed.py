@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from blockattn import comms
+from blockattn.attention import check_softmax_scale
 from blockattn.planner.schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_NAMES, KIND_OUT, KIND_Q
 
 __all__ = ["distributed_block_attention", "check_plan_agreement", "rank_program", "build_rank_program", "RankProgram"]
@@ -550,9 +551,7 @@ def distributed_block_attention(q, k, v, mask_spec, plan, *, softmax_scale=None,
                          "distributed_block_attention only on the group's ranks")
     if comm_method not in comms.COMM_METHODS:
         raise ValueError(f"comm_method must be one of {comms.COMM_METHODS}, got {comm_method!r}")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
-                                          and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number (None: 1/sqrt(D)), got {softmax_scale!r}")
+    check_softmax_scale(softmax_scale)
     for name in ("total_len", "signature", "block_mask"):
         if not hasattr(mask_spec, name):
             raise TypeError(f"mask_spec must be a blockattn.MaskSpec (missing .{name}), got {type(mask_spec).__name__}")

@@ -11,7 +11,7 @@ import types  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from blockattn import MaskSpec  # noqa: E402
+from blockattn import MaskSpec, make_plan  # noqa: E402
 from blockattn.attention import block_attention  # noqa: E402
 from blockattn.backend import get_backend  # noqa: E402
 from blockattn.reference import attention as reference  # noqa: E402
@@ -125,7 +125,8 @@ def test_triton_backend_without_interpreter_is_an_error_not_a_fallback():
 def test_world_size_one_plan_runs_locally_and_larger_plans_delegate(monkeypatch):
     spec = MaskSpec.causal(32)
     q, k, v = (t.detach() for t in _leaves(32, 2, 1, 16))
-    local = block_attention(q, k, v, spec, types.SimpleNamespace(world_size=1, block_size=16))
+    heads = dict(num_q_heads=2, num_kv_heads=1, head_dim=16, dtype=q.dtype, block_size=16)
+    local = block_attention(q, k, v, spec, make_plan(spec, 1, **heads))
     torch.testing.assert_close(local, block_attention(q, k, v, spec, block_size=16))
     calls = {}
     fake = types.ModuleType("blockattn.distributed")
@@ -136,7 +137,29 @@ def test_world_size_one_plan_runs_locally_and_larger_plans_delegate(monkeypatch)
 
     fake.distributed_block_attention = distributed_block_attention
     monkeypatch.setitem(sys.modules, "blockattn.distributed", fake)
-    plan = types.SimpleNamespace(world_size=2, block_size=16)
+    plan = make_plan(spec, 2, **heads)
     assert block_attention(q, k, v, spec, plan, return_lse=True, backend="torch") == "delegated"
     assert calls["plan"] is plan and calls["return_lse"] and calls["backend"] == "torch"
     assert get_backend("torch").name == "torch"
+
+
+def test_bad_plan_block_size_and_softmax_scale_are_refused_on_one_device_as_distributed():
+    spec = MaskSpec.documents([20, 12])
+    q, k, v = (t.detach() for t in _leaves(32, 2, 1, 16))
+    plan = make_plan(spec, 1, num_q_heads=2, num_kv_heads=1, head_dim=16, dtype=q.dtype, block_size=16)
+    # a one-rank plan of another mask: the distributed path's check, not the plan silently ignored
+    with pytest.raises(ValueError, match="not the mask the plan was made for"):
+        block_attention(q, k, v, MaskSpec.causal(32), plan)
+    with pytest.raises(ValueError, match="plan expects q"):
+        block_attention(torch.randn(32, 4, 16), k, v, spec, plan)
+    with pytest.raises(ValueError, match="block_size=8 but the plan was made with block_size=16"):
+        block_attention(q, k, v, spec, plan, block_size=8)
+    torch.testing.assert_close(block_attention(q, k, v, spec, plan, block_size=16, backend="torch"),
+                               block_attention(q, k, v, spec, block_size=16, backend="torch"))
+    with pytest.raises(TypeError, match="plan must be a Plan"):
+        block_attention(q, k, v, spec, "plan")
+    with pytest.raises(TypeError, match="block_size must be an int"):
+        block_attention(q, k, v, spec, block_size=2.5)
+    for scale in (float("nan"), 0.0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
+            block_attention(q, k, v, spec, block_size=16, softmax_scale=scale, backend="torch")
