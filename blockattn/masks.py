@@ -425,7 +425,11 @@ class MaskSpec:
         out = self._user_mod(q_idx, kv_idx)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"mask_mod must return a bool tensor, got {type(out).__name__}")
-        return out.to(torch.bool)
+        if out.dtype != torch.bool:
+            # (a float mask of 0 / -inf cast to bool would be inverted: -inf is True, 0 False)
+            raise TypeError(f"mask_mod must return a bool tensor (True: q_idx attends kv_idx), got dtype {out.dtype}; "
+                            "an additive mask (0 / -inf) is a score_mod: return a comparison such as kv_idx <= q_idx")
+        return out
 
     def mask_mod(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         """Vectorised mask over broadcastable global index tensors (int64)."""

@@ -361,6 +361,9 @@ def test_bad_arguments_raise_value_error(build, message):
         lambda: MaskSpec.from_mask_mod("causal", 4),
         lambda: MaskSpec.from_mask_mod(lambda a, b, c: a, 4),
         lambda: MaskSpec.causal(4) & "causal",
+        # a mask_mod must return bools: an additive 0 / -inf mask cast to bool would be the inverse
+        lambda: MaskSpec.from_mask_mod(lambda q, k: torch.where(k <= q, 0.0, float("-inf")), 4),
+        lambda: MaskSpec.from_mask_mod(lambda q, k: q - k, 4),
     ],
 )
 def test_wrong_types_raise_type_error(build):
