@@ -41,13 +41,14 @@ def _signature(kind: str, dtype: str, D: int, B: int, cfg, group: int, even: boo
     """(kernel fn, signature, constexprs) for one kernel configuration."""
     from blockattn.kernels.backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
     from blockattn.kernels.forward import attention_fwd_kernel
+    from blockattn.kernels.launch import block_d
 
     p = TORCH_TO_TT[dtype]
     tiles = {n: "*i32" for n in ("WorkOrder", "WorkRow", "WorkGlob", "FullPtr", "FullRow", "FullGlob",
                                   "PartPtr", "PartRow", "PartGlob", "PartBits")}
     masks = {"Intervals": "*i32", "Bits": "*u8"}
-    const = dict(GROUP=group, BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, EVEN_T=even,
-                 HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC="ieee" if dtype == "fp32" else "tf32")
+    const = dict(GROUP=group, BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, BLOCK_D=block_d(D),
+                 EVEN_T=even, HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC="ieee" if dtype == "fp32" else "tf32")
     if kind == "fwd":
         fn = attention_fwd_kernel
         sig = {"Q": p, "K": p, "V": p, "Out": p, "Lse": "*fp32", **tiles, **masks}
@@ -80,6 +81,7 @@ def _signature(kind: str, dtype: str, D: int, B: int, cfg, group: int, even: boo
 def _small_kernel_signature(kind: str, dtype: str, D: int):
     """(fn, signature, constexprs) of the merge and delta-preprocess kernels."""
     from blockattn.kernels.backward import attention_bwd_preprocess_kernel
+    from blockattn.kernels.launch import block_d
     from blockattn.kernels.merge import merge_partials_kernel
 
     p = TORCH_TO_TT[dtype]
@@ -90,7 +92,7 @@ def _small_kernel_signature(kind: str, dtype: str, D: int):
         fn = attention_bwd_preprocess_kernel
         sig = {"Out": p, "DOut": p, "Delta": "*fp32", "R": "i32"}
     sig.update({a: "i32" for a in fn.arg_names if a.startswith("stride_")})
-    const = {"BLOCK_R": 64, "HEAD_DIM": D}
+    const = {"BLOCK_R": 64, "HEAD_DIM": D, "BLOCK_D": block_d(D)}
     sig.update({c: "constexpr" for c in const})
     return fn, {a: sig[a] for a in fn.arg_names}, const
 
@@ -146,6 +148,8 @@ def configs(quick: bool):
         return main
     extra = [(k, dt, D, 128) for k in ("fwd", "dq", "dkdv") for dt in ("bf16", "fp16") for D in (64, 256)
              ] + [(k, "fp16", 128, 128) for k in ("fwd", "dq", "dkdv")] + [("fwd", "bf16", 128, 64)]
+    # head dims that are not powers of two run in the next power of two's tiles (kernels/tile_io.py)
+    extra += [(k, "bf16", D, 128) for k in ("fwd", "dq", "dkdv") for D in (80, 96)]
     return main + extra
 
 
@@ -172,7 +176,7 @@ def main(argv=None):
         sys.exit("kernel_report: unset TRITON_INTERPRET (the interpreter cannot AOT-compile)")
     import torch
 
-    from blockattn.kernels.launch import KernelConfig, kernel_config
+    from blockattn.kernels.launch import KernelConfig, block_d, kernel_config
 
     tool = cuobjdump_path()
     if tool is None:
@@ -182,7 +186,7 @@ def main(argv=None):
                 # T not a multiple of the block (masked loads) and, for the forward, accumulate=True
                 "ragged": dict(has_iv=True, has_bits=False, even=False, accumulate=True)}
     for kind, dtype, D, B in configs(args.quick):
-        cfg = kernel_config(kind, B, D, torch.device("cuda"))
+        cfg = kernel_config(kind, B, block_d(D), torch.device("cuda"))
         main_cfg = (dtype, D, B) == ("bf16", 128, 128)
         for variant, kw in variants.items():
             if variant != "intervals" and not main_cfg:

@@ -5,12 +5,13 @@ s2 = qk_scale * q.k with qk_scale = scale * log2 e, lse2 = LSE * log2 e, so P = 
 delta = rowsum(O * dO); dS = P * (dP - delta) with dP = dO.V^T; dQ = scale * dS.K, dK = scale * dS^T.Q,
 dV = P^T.dO. Rows with LSE = -inf (no unmasked key) use lse2 = +inf so that P = 0 (no NaN).
 dK/dV programs own one kv head and loop over its GROUP q heads: deterministic, no atomics.
-All gradients are written in fp32; rows past T are neither read nor written.
+All gradients are written in fp32; rows past T are neither read nor written, nor are the columns of
+the BLOCK_D-wide head-dim tiles past HEAD_DIM (kernels/tile_io.py: they read as 0).
 """
 import triton
 import triton.language as tl
 
-from .tile_io import load_partner, load_rows, locate_work_rows
+from .tile_io import load_partner, load_rows, locate_work_rows, row_col_mask
 from .mask_tile import LOG2E, bits_mask, interval_mask, interval_mask_t, load_intervals, mma
 
 
@@ -24,15 +25,16 @@ def _load_lse2(Lse, row0, offs, valid):
 @triton.jit
 def attention_bwd_preprocess_kernel(
     Out, DOut, Delta, R, stride_ot, stride_oh, stride_dt, stride_dh, stride_lh,
-    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     h = tl.program_id(1)
     valid = rows < R
     rows64 = rows.to(tl.int64)
-    offs_d = tl.arange(0, HEAD_DIM)
-    o = tl.load(Out + rows64[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=valid[:, None], other=0.0)
-    do = tl.load(DOut + rows64[:, None] * stride_dt + h * stride_dh + offs_d[None, :], mask=valid[:, None], other=0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    keep = row_col_mask(valid, offs_d, HEAD_DIM, HEAD_DIM == BLOCK_D)
+    o = tl.load(Out + rows64[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=keep, other=0.0)
+    do = tl.load(DOut + rows64[:, None] * stride_dt + h * stride_dh + offs_d[None, :], mask=keep, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + h.to(tl.int64) * stride_lh + rows64, delta, mask=valid)
 
@@ -46,23 +48,24 @@ def attention_bwd_dq_kernel(
     stride_dqt, stride_dqh, stride_lh,
     T, num_heads, qk_scale, sm_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr, HAS_BITS: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr,
+    HAS_BITS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # heads vary fastest across programs (shared K/V tiles in L2)
     hq, hk, w, m_rel, offs_m, q_glob, q_row0, q_valid = locate_work_rows(
         WorkOrder, WorkGlob, WorkRow, T, num_heads, GROUP, M_SPLIT, BLOCK_M
     )
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
 
-    q = load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
-    do = load_rows(DOut, q_row0, offs_m, stride_dot, hq * stride_doh, offs_d, q_valid, EVEN_T)
+    q = load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T, HEAD_DIM, EVEN_D)
+    do = load_rows(DOut, q_row0, offs_m, stride_dot, hq * stride_doh, offs_d, q_valid, EVEN_T, HEAD_DIM, EVEN_D)
     lse2 = _load_lse2(Lse + hq.to(tl.int64) * stride_lh, q_row0, offs_m, q_valid)
     delta = tl.load(Delta + hq.to(tl.int64) * stride_lh + q_row0 + offs_m, mask=q_valid, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # FULL tiles: keys past T are loaded as zero rows, so they add nothing to dQ = dS.K
     start = tl.load(FullPtr + w)
@@ -71,7 +74,8 @@ def attention_bwd_dq_kernel(
         j = it // N_SPLIT
         n0 = (it % N_SPLIT) * BLOCK_N
         k_glob, k_valid, k, v = load_partner(
-            K, V, FullGlob, FullRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T
+            K, V, FullGlob, FullRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T,
+            HEAD_DIM, EVEN_D,
         )
         p = tl.math.exp2(mma(q, tl.trans(k), None, DOT_PREC) * qk_scale - lse2[:, None])
         dp = mma(do, tl.trans(v), None, DOT_PREC)
@@ -86,7 +90,8 @@ def attention_bwd_dq_kernel(
         j = it // N_SPLIT
         n0 = (it % N_SPLIT) * BLOCK_N
         k_glob, k_valid, k, v = load_partner(
-            K, V, PartGlob, PartRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T
+            K, V, PartGlob, PartRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T,
+            HEAD_DIM, EVEN_D,
         )
         if HAS_BITS:
             tile_bits = tl.load(PartBits + j)
@@ -102,7 +107,7 @@ def attention_bwd_dq_kernel(
         dq = mma(ds.to(k.dtype), k, dq, DOT_PREC)
 
     dq_ptrs = DQ + q_row0 * stride_dqt + hq * stride_dqh + (offs_m[:, None] * stride_dqt + offs_d[None, :])
-    tl.store(dq_ptrs, dq * sm_scale, mask=q_valid[:, None])
+    tl.store(dq_ptrs, dq * sm_scale, mask=row_col_mask(q_valid, offs_d, HEAD_DIM, EVEN_D))
 
 
 @triton.jit
@@ -114,12 +119,13 @@ def attention_bwd_dkdv_kernel(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
     T, num_heads, qk_scale, sm_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr, HAS_BITS: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr,
+    HAS_BITS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # here the work block is a kv-block (BLOCK_N rows per program) and partners are q-blocks (BLOCK_M)
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
     M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid = tl.program_id(0) // num_heads
     hk = tl.program_id(0) % num_heads
     w = tl.load(WorkOrder + pid // N_SPLIT)
@@ -129,12 +135,12 @@ def attention_bwd_dkdv_kernel(
     kv_row0 = (tl.load(WorkRow + w) + (pid % N_SPLIT) * BLOCK_N).to(tl.int64)
     k_valid = k_glob < T
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
 
-    k = load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T)
-    v = load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    k = load_rows(K, kv_row0, offs_n, stride_kt, hk * stride_kh, offs_d, k_valid, EVEN_T, HEAD_DIM, EVEN_D)
+    v = load_rows(V, kv_row0, offs_n, stride_vt, hk * stride_vh, offs_d, k_valid, EVEN_T, HEAD_DIM, EVEN_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     full_start = tl.load(FullPtr + w)
     full_end = tl.load(FullPtr + w + 1)
     part_start = tl.load(PartPtr + w)
@@ -150,7 +156,8 @@ def attention_bwd_dkdv_kernel(
             m0 = (it % M_SPLIT) * BLOCK_M
             q_row0 = (tl.load(FullRow + j) + m0).to(tl.int64)
             q_glob, q_valid, q, do = load_partner(
-                Q, DOut, FullGlob, FullRow, j, m0, offs_m, stride_qt, hq * stride_qh, stride_dot, hq * stride_doh, offs_d, T, EVEN_T
+                Q, DOut, FullGlob, FullRow, j, m0, offs_m, stride_qt, hq * stride_qh, stride_dot, hq * stride_doh, offs_d, T, EVEN_T,
+                HEAD_DIM, EVEN_D,
             )
             lse2 = _load_lse2(lse_h, q_row0, offs_m, q_valid)
             delta = tl.load(delta_h + q_row0 + offs_m, mask=q_valid, other=0.0)
@@ -164,7 +171,8 @@ def attention_bwd_dkdv_kernel(
             m0 = (it % M_SPLIT) * BLOCK_M
             q_row0 = (tl.load(PartRow + j) + m0).to(tl.int64)
             q_glob, q_valid, q, do = load_partner(
-                Q, DOut, PartGlob, PartRow, j, m0, offs_m, stride_qt, hq * stride_qh, stride_dot, hq * stride_doh, offs_d, T, EVEN_T
+                Q, DOut, PartGlob, PartRow, j, m0, offs_m, stride_qt, hq * stride_qh, stride_dot, hq * stride_doh, offs_d, T, EVEN_T,
+                HEAD_DIM, EVEN_D,
             )
             lse2 = _load_lse2(lse_h, q_row0, offs_m, q_valid)
             delta = tl.load(delta_h + q_row0 + offs_m, mask=q_valid, other=0.0)
@@ -186,5 +194,6 @@ def attention_bwd_dkdv_kernel(
 
     dk_ptrs = DK + kv_row0 * stride_dkt + hk * stride_dkh + (offs_n[:, None] * stride_dkt + offs_d[None, :])
     dv_ptrs = DV + kv_row0 * stride_dvt + hk * stride_dvh + (offs_n[:, None] * stride_dvt + offs_d[None, :])
-    tl.store(dk_ptrs, dk * sm_scale, mask=k_valid[:, None])
-    tl.store(dv_ptrs, dv, mask=k_valid[:, None])
+    kv_keep = row_col_mask(k_valid, offs_d, HEAD_DIM, EVEN_D)
+    tl.store(dk_ptrs, dk * sm_scale, mask=kv_keep)
+    tl.store(dv_ptrs, dv, mask=kv_keep)

@@ -3,7 +3,8 @@
 Notation (docs/design.md): T total tokens, B block size, one program = (BLOCK_M rows of a work q-block,
 one q head hq); hk = hq // GROUP is its kv head (GQA without repeating K/V). Partner kv-blocks are
 walked in BLOCK_N sub-tiles: FULL tiles first with no mask arithmetic, then PARTIAL tiles with the exact
-mask (intervals or per-tile bits). ``row`` = buffer row, ``glob`` = global token index.
+mask (intervals or per-tile bits). ``row`` = buffer row, ``glob`` = global token index. Head dims are
+tiles of BLOCK_D >= HEAD_DIM columns (kernels/tile_io.py): the padding reads as 0 and is not stored.
 Programs are numbered (work tile, head) with the head fastest.
 State per row: m_i running max of s2 = qk_scale * q.k (qk_scale = scale * log2 e), l_i running sum of
 exp2(s2 - m_i), acc the unnormalized output. Rows with no unmasked key end with O = 0, LSE = -inf.
@@ -13,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .mask_tile import LN2, LOG2E, bits_mask, interval_mask, load_intervals, mma, softmax_step
-from .tile_io import load_partner, load_rows, locate_work_rows
+from .tile_io import load_partner, load_rows, locate_work_rows, row_col_mask
 
 
 @triton.jit
@@ -24,23 +25,24 @@ def attention_fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     T, num_heads, qk_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr, HAS_BITS: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr,
+    HAS_BITS: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     # heads vary fastest across programs: the GROUP q heads of one kv head run together and share
     # each K/V tile through L2
     hq, hk, w, m_rel, offs_m, q_glob, q_row0, q_valid = locate_work_rows(
         WorkOrder, WorkGlob, WorkRow, T, num_heads, GROUP, M_SPLIT, BLOCK_M
     )
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
 
-    q = load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T)
+    q = load_rows(Q, q_row0, offs_m, stride_qt, hq * stride_qh, offs_d, q_valid, EVEN_T, HEAD_DIM, EVEN_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # FULL tiles: every valid (q, k) pair attends; only the ragged last block needs a column mask
     start = tl.load(FullPtr + w)
@@ -49,7 +51,8 @@ def attention_fwd_kernel(
         j = it // N_SPLIT
         n0 = (it % N_SPLIT) * BLOCK_N
         k_glob, k_valid, k, v = load_partner(
-            K, V, FullGlob, FullRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T
+            K, V, FullGlob, FullRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T,
+            HEAD_DIM, EVEN_D,
         )
         s2 = mma(q, tl.trans(k), None, DOT_PREC) * qk_scale
         if not EVEN_T:
@@ -66,7 +69,8 @@ def attention_fwd_kernel(
             j = it // N_SPLIT
             n0 = (it % N_SPLIT) * BLOCK_N
             k_glob, k_valid, k, v = load_partner(
-                K, V, PartGlob, PartRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T
+                K, V, PartGlob, PartRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T,
+                HEAD_DIM, EVEN_D,
             )
             s2 = mma(q, tl.trans(k), None, DOT_PREC) * qk_scale
             if HAS_BITS:
@@ -89,7 +93,8 @@ def attention_fwd_kernel(
         # fused merge with the given partial (O0, LSE0), folded in after the loops so that it adds
         # no live registers to them; an empty side (LSE = -inf) has weight 0 whatever its O holds
         lse0 = tl.load(l_ptrs, mask=q_valid, other=float("-inf"))
-        o0 = load_rows(Out, q_row0, offs_m, stride_ot, hq * stride_oh, offs_d, q_valid, EVEN_T).to(tl.float32)
+        o0 = load_rows(Out, q_row0, offs_m, stride_ot, hq * stride_oh, offs_d, q_valid, EVEN_T, HEAD_DIM,
+                       EVEN_D).to(tl.float32)
         m_tot = tl.maximum(lse, lse0)
         m_shift = tl.where(m_tot == float("-inf"), 0.0, m_tot)
         w0 = tl.math.exp2((lse0 - m_shift) * LOG2E)
@@ -99,5 +104,5 @@ def attention_fwd_kernel(
         out = (tl.where(w0[:, None] > 0, w0[:, None] * o0, 0.0) + w1[:, None] * out) / total_safe[:, None]
         lse = tl.where(total > 0, m_shift + tl.math.log2(total_safe) * LN2, float("-inf"))
     o_ptrs = Out + q_row0 * stride_ot + hq * stride_oh + (offs_m[:, None] * stride_ot + offs_d[None, :])
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_valid[:, None])
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_col_mask(q_valid, offs_d, HEAD_DIM, EVEN_D))
     tl.store(l_ptrs, lse, mask=q_valid)

@@ -1,7 +1,8 @@
 """Python entry points of the Triton kernels: validation, tile configuration, grid, launch.
 
 Notation (docs/design.md): layout THD, q [Rq, Hq, D], k/v [Rk, Hkv, D] (R = buffer rows, T = global
-tokens), lse/delta [Hq, Rq] fp32; B = KernelMask.block_size; GROUP = Hq // Hkv. Work blocks are split
+tokens), lse/delta [Hq, Rq] fp32; B = KernelMask.block_size; GROUP = Hq // Hkv; any D in [1, 256]
+runs in head-dim tiles of ``block_d(D)`` columns. Work blocks are split
 into BLOCK_M (forward, dQ) or BLOCK_N (dK/dV) row tiles per program; partner blocks are walked in
 sub-tiles of the other size. Programs are launched longest work block first.
 """
@@ -18,11 +19,18 @@ from .forward import attention_fwd_kernel
 from .merge import merge_partials_kernel
 from .tiles import KernelMask, TileList
 
-__all__ = ["KernelConfig", "kernel_config", "interpreted", "attention_fwd", "merge_partials",
+__all__ = ["KernelConfig", "kernel_config", "block_d", "MAX_HEAD_DIM", "interpreted", "attention_fwd", "merge_partials",
            "attention_bwd_preprocess", "attention_bwd_dq", "attention_bwd_dkdv"]
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def block_d(head_dim: int) -> int:
+    """The head-dim tile width: the next power of two >= head_dim, and >= 16 (tl.dot's smallest K).
+    A head dim of 80 or 96 runs in 128-wide tiles whose last columns load as zeros (kernels/tile_io.py)."""
+    return max(16, 1 << (int(head_dim) - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,7 @@ def interpreted() -> bool:
 
 
 def kernel_config(kind: str, block: int, head_dim: int, device: torch.device) -> KernelConfig:
-    """Default tiles for ``kind`` in {"fwd", "dq", "dkdv"}.
+    """Default tiles for ``kind`` in {"fwd", "dq", "dkdv"}; ``head_dim`` is the tile width ``block_d(D)``.
 
     The interpreter pays per sub-tile in Python, so it takes whole blocks. On GPUs the choice is the
     fastest-looking configuration with zero spills in the sm_90a static report (bench/kernel_report.py,
@@ -109,8 +117,8 @@ def _check_qkv(q, k, v):
         raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv}) for GQA")
     if k.shape[2] != D:
         raise ValueError(f"head dims differ: q has {D}, k/v have {k.shape[2]}")
-    if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {D}")
     _require_runnable(q.device)
     return q, k, v
 
@@ -196,7 +204,7 @@ def attention_fwd(q, k, v, tiles: TileList, mask: KernelMask, scale=None, *, out
     if tiles.num_work == 0:
         return out, lse
     B, T = mask.block_size, mask.total_len
-    cfg = config or kernel_config("fwd", B, D, q.device)
+    cfg = config or kernel_config("fwd", B, block_d(D), q.device)
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     scale = _scale(scale, D)
     grid = (tiles.num_work * (B // cfg.block_m) * Hq,)
@@ -205,7 +213,7 @@ def attention_fwd(q, k, v, tiles: TileList, mask: KernelMask, scale=None, *, out
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         T, Hq, scale * LOG2E,
-        GROUP=Hq // k.shape[1], BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
+        GROUP=Hq // k.shape[1], BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, BLOCK_D=block_d(D),
         EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, ACCUMULATE=bool(accumulate),
         DOT_PREC=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
@@ -223,8 +231,8 @@ def merge_partials(outs, lses):
     N, R, H, D = outs.shape
     if tuple(lses.shape) != (N, H, R) or lses.dtype != torch.float32:
         raise ValueError(f"lses must be fp32 [N={N}, H={H}, R={R}], got {lses.dtype} {tuple(lses.shape)}")
-    if outs.dtype not in SUPPORTED_DTYPES or D < 1 or D & (D - 1):
-        raise ValueError(f"outs must be fp16/bf16/fp32 with a power-of-two head dim, got {outs.dtype}, D={D}")
+    if outs.dtype not in SUPPORTED_DTYPES or not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"outs must be fp16/bf16/fp32 with a head dim in [1, {MAX_HEAD_DIM}], got {outs.dtype}, D={D}")
     if lses.device != outs.device:
         raise ValueError(f"outs on {outs.device} and lses on {lses.device}; move them to one device")
     _require_runnable(outs.device)
@@ -239,7 +247,7 @@ def merge_partials(outs, lses):
         outs, lses, out, lse, N, R,
         outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0), lses.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        BLOCK_R=block_r, HEAD_DIM=D, num_warps=8 if outs.device.type == "cuda" else 4)
+        BLOCK_R=block_r, HEAD_DIM=D, BLOCK_D=block_d(D), num_warps=8 if outs.device.type == "cuda" else 4)
     return out, lse
 
 
@@ -257,7 +265,7 @@ def attention_bwd_preprocess(out, dout):
     block_r = 64 if out.device.type == "cuda" else 32
     attention_bwd_preprocess_kernel[(triton_cdiv(R, block_r), H)](
         out, dout, delta, R, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
-        BLOCK_R=block_r, HEAD_DIM=D, num_warps=4)
+        BLOCK_R=block_r, HEAD_DIM=D, BLOCK_D=block_d(D), num_warps=4)
     return delta
 
 
@@ -292,7 +300,7 @@ def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMas
     if tiles.num_work == 0:
         return dq
     B, T = mask.block_size, mask.total_len
-    cfg = config or kernel_config("dq", B, D, q.device)
+    cfg = config or kernel_config("dq", B, block_d(D), q.device)
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     scale = _scale(scale, D)
     attention_bwd_dq_kernel[(tiles.num_work * (B // cfg.block_m) * Hq,)](
@@ -300,7 +308,7 @@ def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMas
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
         T, Hq, scale * LOG2E, scale,
-        GROUP=Hq // k.shape[1], BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
+        GROUP=Hq // k.shape[1], BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, BLOCK_D=block_d(D),
         EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dq
@@ -318,7 +326,7 @@ def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: Kerne
     if tiles_t.num_work == 0:
         return dk, dv
     B, T = mask.block_size, mask.total_len
-    cfg = config or kernel_config("dkdv", B, D, q.device)
+    cfg = config or kernel_config("dkdv", B, block_d(D), q.device)
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     scale = _scale(scale, D)
     attention_bwd_dkdv_kernel[(tiles_t.num_work * (B // cfg.block_n) * Hkv,)](
@@ -326,7 +334,7 @@ def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: Kerne
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
         T, Hkv, scale * LOG2E, scale,
-        GROUP=Hq // Hkv, BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D,
+        GROUP=Hq // Hkv, BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, BLOCK_D=block_d(D),
         EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dk, dv

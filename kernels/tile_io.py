@@ -2,30 +2,52 @@
 
 Notation (docs/design.md): a block's rows sit at buffer rows ``row0 + offs`` (``row`` = buffer row) and
 global tokens ``glob + offs``; rows whose global index is >= T (the ragged last block) read as zeros.
-``EVEN`` (T a multiple of the sub-tile) drops the load masks altogether.
+``EVEN`` (T a multiple of the sub-tile) drops the row masks. Head dims are tiles of BLOCK_D = the next
+power of two >= 16 (``offs_d = arange(BLOCK_D)``); of those only the first HEAD_DIM columns exist, the
+rest read as zeros (they add nothing to q.k, P.V or the gradients) and are never written.
+``EVEN_D`` (HEAD_DIM == BLOCK_D) drops the column masks.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def load_rows(Ptr, row0, offs_r, stride_t, col0, offs_d, valid, EVEN: tl.constexpr):
-    """Load [len(offs_r), D] at buffer rows row0 + offs_r of one head; rows past T read as 0."""
-    # int64 scalar base + int32 tile offsets: 64-bit pointer math per element would cost registers
-    ptrs = Ptr + row0 * stride_t + col0 + (offs_r[:, None] * stride_t + offs_d[None, :])
-    if EVEN:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=valid[:, None], other=0.0)
+def row_col_mask(valid, offs_d, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
+    """[rows, BLOCK_D] mask of valid rows and the HEAD_DIM real columns."""
+    # (if / else, not an early return: Triton types every return of a function alike, dead or not)
+    if EVEN_D:
+        keep = valid[:, None]
+    else:
+        keep = valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    return keep
 
 
 @triton.jit
-def load_partner(A, B, Glob, Row, j, sub0, offs, stride_a, col_a, stride_b, col_b, offs_d, T, EVEN: tl.constexpr):
+def load_rows(Ptr, row0, offs_r, stride_t, col0, offs_d, valid, EVEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+              EVEN_D: tl.constexpr):
+    """Load [len(offs_r), BLOCK_D] at buffer rows row0 + offs_r of one head; rows past T and columns
+    past HEAD_DIM read as 0."""
+    # int64 scalar base + int32 tile offsets: 64-bit pointer math per element would cost registers
+    ptrs = Ptr + row0 * stride_t + col0 + (offs_r[:, None] * stride_t + offs_d[None, :])
+    if EVEN:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        x = tl.load(ptrs, mask=row_col_mask(valid, offs_d, HEAD_DIM, EVEN_D), other=0.0)
+    return x
+
+
+@triton.jit
+def load_partner(A, B, Glob, Row, j, sub0, offs, stride_a, col_a, stride_b, col_b, offs_d, T, EVEN: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
     """Rows sub0 + offs of partner block j from two buffers (K and V, or Q and dO): (glob, valid, a, b)."""
     glob = tl.load(Glob + j) + sub0 + offs
     row0 = (tl.load(Row + j) + sub0).to(tl.int64)
     valid = glob < T
-    a = load_rows(A, row0, offs, stride_a, col_a, offs_d, valid, EVEN)
-    b = load_rows(B, row0, offs, stride_b, col_b, offs_d, valid, EVEN)
+    a = load_rows(A, row0, offs, stride_a, col_a, offs_d, valid, EVEN, HEAD_DIM, EVEN_D)
+    b = load_rows(B, row0, offs, stride_b, col_b, offs_d, valid, EVEN, HEAD_DIM, EVEN_D)
     return glob, valid, a, b
 
 

@@ -5,6 +5,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -28,15 +29,16 @@ def _split_tiles(bm, groups):
     return lists
 
 
+@pytest.mark.parametrize("D", [16, 40])  # (40: head-dim tiles of 64 whose padding is neither read nor written)
 @settings(max_examples=6, deadline=None)
 @given(T=st.integers(1, 70), parts=st.integers(1, 3), seed=st.integers(0, 2**16),
        kind=st.sampled_from(["causal", "docs", "window"]))
-def test_split_kv_partials_merge_to_full_attention(T, parts, seed, kind):
+def test_split_kv_partials_merge_to_full_attention(D, T, parts, seed, kind):
     spec = {"causal": lambda: MaskSpec.causal(T),
             "docs": lambda: MaskSpec.documents([max(1, T // 3), T - max(1, T // 3)] if T > 1 else [1]),
             "window": lambda: MaskSpec.sliding_window(T, 7)}[kind]()
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(T, H, 16, generator=g) for H in (2, 1, 1))
+    q, k, v = (torch.randn(T, H, D, generator=g) for H in (2, 1, 1))
     bm = spec.block_mask(B)
     km = KernelMask.from_block_mask(bm)
     groups = torch.randint(0, parts, (bm.num_blocks,), generator=g)
@@ -57,18 +59,19 @@ def test_split_kv_partials_merge_to_full_attention(T, parts, seed, kind):
     torch.testing.assert_close(acc_lse.double(), ref_lse, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("D", [16, 12])
 @settings(max_examples=5, deadline=None)
 @given(R=st.integers(1, 40), n=st.integers(1, 4), seed=st.integers(0, 2**16),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_empty_partial_is_identity(R, n, seed, dtype):
+def test_empty_partial_is_identity(D, R, n, seed, dtype):
     g = torch.Generator().manual_seed(seed)
-    outs = torch.randn(n, R, 3, 16, generator=g).to(dtype)
+    outs = torch.randn(n, R, 3, D, generator=g).to(dtype)
     lses = torch.randn(n, 3, R, generator=g)
     lses[torch.rand(n, 3, R, generator=g) < 0.3] = float("-inf")   # some rows empty in some partials
     outs = torch.where(torch.isinf(lses).permute(0, 2, 1)[..., None], 0.0, outs.float()).to(dtype)
     base_out, base_lse = merge_partials(outs, lses)
     # an empty partial whose O holds garbage (NaN) must not change anything
-    garbage = torch.full((1, R, 3, 16), float("nan"), dtype=dtype)
+    garbage = torch.full((1, R, 3, D), float("nan"), dtype=dtype)
     empty_lse = torch.full((1, 3, R), float("-inf"))
     out, lse = merge_partials(torch.cat([outs, garbage]), torch.cat([lses, empty_lse]))
     torch.testing.assert_close(out, base_out, atol=0, rtol=0)
