@@ -11,6 +11,7 @@ import math
 import weakref
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from blockattn.backend import Backend, get_backend
 from blockattn.kernels.tiles import KernelMask, TileList
@@ -59,6 +60,9 @@ def _validate(q, k, v, mask_spec):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type == "meta":
+        raise ValueError("q, k, v are meta tensors (shapes without data); block_attention runs on real tensors "
+                         "(cuda, or cpu with TRITON_INTERPRET=1 or backend='torch')")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"q, k, v must have the same token count T, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
     if k.shape != v.shape:
@@ -106,6 +110,9 @@ class _BlockAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    # (the kernels' backward is not itself differentiable: a double backward raises instead of
+    # silently dropping the second-order terms)
+    @once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         tiles, tiles_t, kmask, scale, backend = ctx.meta

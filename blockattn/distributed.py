@@ -34,6 +34,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
 from blockattn import comms
@@ -363,6 +364,9 @@ class _DistributedAttention(torch.autograd.Function):
         return out_local, lse_local
 
     @staticmethod
+    # (the kernels' and transfers' backward is not itself differentiable: a double backward raises instead of
+    # silently dropping the second-order terms)
+    @once_differentiable
     def backward(ctx, dout, dlse):
         run = ctx.run
         prog, be, kmask, scale = run.prog, run.backend, run.kmask, run.scale

@@ -158,8 +158,22 @@ def test_bad_plan_block_size_and_softmax_scale_are_refused_on_one_device_as_dist
                                block_attention(q, k, v, spec, block_size=16, backend="torch"))
     with pytest.raises(TypeError, match="plan must be a Plan"):
         block_attention(q, k, v, spec, "plan")
+    with pytest.raises(ValueError, match="meta tensors"):
+        block_attention(*(t.to("meta") for t in (q, k, v)), spec, block_size=16)
     with pytest.raises(TypeError, match="block_size must be an int"):
         block_attention(q, k, v, spec, block_size=2.5)
     for scale in (float("nan"), 0.0, -1.0, float("inf"), True):
         with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
             block_attention(q, k, v, spec, block_size=16, softmax_scale=scale, backend="torch")
+
+
+def test_double_backward_raises_instead_of_dropping_second_order_terms():
+    """A gradient penalty through block_attention: the kernels' backward is not differentiable, so the
+    second backward must fail loudly (once_differentiable), not treat dQ as a constant."""
+    spec = MaskSpec.documents([20, 12])
+    q, k, v = _leaves(32, 2, 1, 16)
+    w = torch.randn(32, 2, 16, requires_grad=True)
+    (dq,) = torch.autograd.grad((block_attention(q, k, v, spec, block_size=16, backend="torch") * w).sum(), q,
+                                create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (dq ** 2).sum().backward()
