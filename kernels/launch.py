@@ -2,9 +2,9 @@
 
 Notation (docs/design.md): layout THD, q [Rq, Hq, D], k/v [Rk, Hkv, D] (R = buffer rows, T = global
 tokens), lse/delta [Hq, Rq] fp32; B = KernelMask.block_size; GROUP = Hq // Hkv; any D in [1, 256]
-runs in head-dim tiles of ``block_d(D)`` columns. Work blocks are split
-into BLOCK_M (forward, dQ) or BLOCK_N (dK/dV) row tiles per program; partner blocks are walked in
-sub-tiles of the other size. Programs are launched longest work block first.
+runs in head-dim tiles of ``block_d(D)`` columns. Work blocks are split into BLOCK_M (forward, dQ) or
+BLOCK_N (dK/dV) row tiles per program; partner blocks are walked in sub-tiles of the other size.
+Programs are launched longest work block first.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from .forward import attention_fwd_kernel
 from .merge import merge_partials_kernel
 from .tiles import KernelMask, TileList
 
-__all__ = ["KernelConfig", "kernel_config", "block_d", "MAX_HEAD_DIM", "interpreted", "attention_fwd", "merge_partials",
-           "attention_bwd_preprocess", "attention_bwd_dq", "attention_bwd_dkdv"]
+__all__ = ["KernelConfig", "kernel_config", "block_d", "MAX_HEAD_DIM", "interpreted", "attention_fwd",
+           "merge_partials", "attention_bwd_preprocess", "attention_bwd_dq", "attention_bwd_dkdv"]
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
