@@ -1,7 +1,7 @@
-"""The README's planner tables, printed from bench_planner's and bench_hypergraph's JSON (so the README
-quotes the committed runs, and tests/test_readme.py checks that it still does).
+"""The README's planner tables, printed from bench_planner's, bench_hypergraph's and bench_shared_homes'
+JSON (so the README quotes the committed runs, and tests/test_readme.py checks that it still does).
 
-    python bench/planner_tables.py [configurations|masks|held-out|hypergraph] [JSON]
+    python bench/planner_tables.py [configurations|masks|held-out|hypergraph|shared-homes] [JSON]
 
 - ``configurations`` (default; bench/results/bench_planner.json): per world size / ranks per node, dcp
   over the lower bound, its speedup over zigzag and zigzag-ring, and its bytes against theirs.
@@ -9,6 +9,8 @@ quotes the committed runs, and tests/test_readme.py checks that it still does).
   next to the DCP paper's low end for that kind of mask.
 - ``held-out`` (bench/results/bench_planner_seed1.json): the shorter table of another draw.
 - ``hypergraph`` (bench/results/bench_hypergraph.json): dcp against the hypergraph partitioner.
+- ``shared-homes`` (bench/results/bench_shared_homes.json): plans of a global and a local mask on one data
+  placement against the two planned apart.
 """
 
 from __future__ import annotations
@@ -132,8 +134,22 @@ def hypergraph(report: dict) -> str:
     return "\n".join(out)
 
 
+def shared_homes(report: dict) -> str:
+    """bench_shared_homes' summary: per configuration and global : local layers, the weighted time of the
+    kept plans and of each candidate's over the masks planned apart, geomean (max), and make_plans' time."""
+    names = ("global's homes", "local's homes", "joint homes")
+    out = [_row(["ranks (per node), global : local layers", "kept", *names, "make_plans, median"]),
+           _row(["---"] * (3 + len(names)))]
+    for key, row in report["summary"].items():
+        cfg, weights = key.rsplit(" ", 1)
+        cells = [f"{row[name]['geomean']:.3f} ({row[name]['max']:.2f})" for name in ("kept", *names)]
+        out.append(_row([f"{cfg}, {weights}", *cells, f"{_two_figures(row['make_plans_s_median'])} s"]))
+    return "\n".join(out)
+
+
 TABLES = {"configurations": (configurations, "bench_planner.json"), "masks": (masks, "bench_planner.json"),
-          "held-out": (held_out, "bench_planner_seed1.json"), "hypergraph": (hypergraph, "bench_hypergraph.json")}
+          "held-out": (held_out, "bench_planner_seed1.json"), "hypergraph": (hypergraph, "bench_hypergraph.json"),
+          "shared-homes": (shared_homes, "bench_shared_homes.json")}
 
 
 def table(kind: str, path: str | Path | None = None) -> str:

@@ -2,7 +2,7 @@
 
 from blockattn.attention import block_attention
 from blockattn.masks import MaskSpec
-from blockattn.planner import CostModel, Plan, PlanAhead, Topology, make_plan
+from blockattn.planner import CostModel, Plan, PlanAhead, Topology, make_plan, make_plans
 
-__all__ = ["MaskSpec", "block_attention", "make_plan", "PlanAhead", "Plan", "Topology", "CostModel"]
+__all__ = ["MaskSpec", "block_attention", "make_plan", "make_plans", "PlanAhead", "Plan", "Topology", "CostModel"]
 __version__ = "0.1.0"

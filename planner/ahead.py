@@ -35,6 +35,7 @@ import torch
 from .api import DEFAULT_MEMORY_SLACK, check_mask_spec, check_plan_args, make_plan
 from .cost_model import CostModel, Topology
 from .plan import Plan
+from .shared_homes import make_plans
 from .sharded import HandOver
 
 _DEAD_WORKER = ("a planning worker process died (killed, e.g. out of memory, or crashed); the plans in flight "
@@ -47,10 +48,15 @@ def _init_worker() -> None:
     torch.set_num_threads(1)
 
 
-def _plan_pickled(spec_bytes: bytes, world_size: int, kwargs: dict) -> bytes:
+def _plan_pickled(spec_bytes: bytes, world_size: int, kwargs: dict, weights=None) -> bytes:
     """Worker side: rebuild the spec, plan it, return the plan pickled by value (no shared-memory
-    handles, whose file descriptors a long run would exhaust)."""
-    plan = make_plan(pickle.loads(spec_bytes), world_size, **kwargs)
+    handles, whose file descriptors a long run would exhaust). A tuple of specs: their plans on shared
+    homes (``make_plans`` with ``weights``), as a tuple."""
+    spec = pickle.loads(spec_bytes)
+    if isinstance(spec, tuple):
+        plan = make_plans(spec, world_size, weights=weights, **kwargs)
+    else:
+        plan = make_plan(spec, world_size, **kwargs)
     return pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -60,13 +66,15 @@ def _ready() -> bool:
 
 class PlanAhead:
     """Background planner: ``make_plan(spec, world_size, **plan_kwargs)`` for each submitted spec, in
-    ``workers`` processes (start method ``mp_context``: "spawn" is safe next to CUDA and threads)."""
+    ``workers`` processes (start method ``mp_context``: "spawn" is safe next to CUDA and threads); for a
+    submitted tuple of specs (one batch's layer masks), ``make_plans(specs, world_size, weights=weights,
+    **plan_kwargs)``: their plans on one data placement, ``weights`` the layers under each mask."""
 
     def __init__(self, world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
                  topology: Topology | None = None, max_stages: int = 4, grad_comm_dtype: torch.dtype = torch.float32,
                  effort: str = "full", workers: int = 1, mp_context: str = "spawn",
-                 cost_model: CostModel | None = None, memory_slack: float = DEFAULT_MEMORY_SLACK):
+                 cost_model: CostModel | None = None, memory_slack: float = DEFAULT_MEMORY_SLACK, weights=None):
         world_size, num_q_heads, num_kv_heads, head_dim, max_stages, cost_model = check_plan_args(
             world_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
             block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages,
@@ -80,6 +88,13 @@ class PlanAhead:
         self._kwargs = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                             block_size=block_size, strategy=strategy, cost_model=cost_model, max_stages=max_stages,
                             grad_comm_dtype=grad_comm_dtype, effort=effort, memory_slack=memory_slack)
+        if weights is not None:  # (make_plans', for batches of several masks; their count is checked per batch)
+            weights = tuple(weights) if isinstance(weights, (list, tuple)) else None
+            if not weights or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf")
+                                      for w in weights):
+                raise ValueError("weights must be a list of positive numbers, the layers under each mask of a batch "
+                                 "submitted as a tuple of masks")
+        self._weights = weights
         self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(mp_context),
                                          initializer=_init_worker)
         self._started = self._pool.submit(_ready)  # start the workers now, not at the first batch
@@ -88,7 +103,9 @@ class PlanAhead:
     # ------------------------------------------------------------------ post
     def submit(self, mask_spec) -> "Future[Plan]":
         """Start planning ``mask_spec``; the Future's ``result()`` is the Plan (or raises what
-        ``make_plan`` raised, e.g. ValueError for a bad block size)."""
+        ``make_plan`` raised, e.g. ValueError for a bad block size). A tuple or list of MaskSpecs (the
+        masks of one batch's layers): their plans on one data placement, a tuple (``make_plans``, with
+        this PlanAhead's ``weights``)."""
         planned = self._submit_pickled(mask_spec)
         plan: Future = Future()
         planned.add_done_callback(lambda done: _unpickle_into(done, plan))
@@ -98,7 +115,14 @@ class PlanAhead:
         """``submit``, the plan left pickled (as the worker returns it)."""
         if self._pool is None:
             raise RuntimeError("PlanAhead is closed; create a new one to plan more batches")
-        check_mask_spec(mask_spec)
+        if isinstance(mask_spec, (tuple, list)):
+            mask_spec = tuple(mask_spec)
+            if not mask_spec:
+                raise ValueError("submit got an empty tuple of masks: pass a MaskSpec or the masks of one batch")
+            for spec in mask_spec:
+                check_mask_spec(spec)
+        else:
+            check_mask_spec(mask_spec)
         try:
             spec_bytes = pickle.dumps(mask_spec, protocol=pickle.HIGHEST_PROTOCOL)
         except (pickle.PicklingError, AttributeError, TypeError) as err:
@@ -106,7 +130,7 @@ class PlanAhead:
                             "mask needs a module-level function (not a lambda or closure); or plan it in "
                             "this process with make_plan") from err
         try:
-            return self._pool.submit(_plan_pickled, spec_bytes, self.world_size, self._kwargs)
+            return self._pool.submit(_plan_pickled, spec_bytes, self.world_size, self._kwargs, self._weights)
         except BrokenProcessPool as err:
             raise RuntimeError(_DEAD_WORKER) from err
 

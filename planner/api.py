@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from collections import OrderedDict
 
 import numpy as np
@@ -19,6 +20,7 @@ from .dcp import DEFAULT_MEMORY_SLACK
 from .check import check_plan
 from .cost_model import CostModel, Topology
 from .finish import finish_placement
+from .shared_homes import dcp_on_homes
 from .placement import Placement, positions_by_key, stage_renumbering
 from .plan import Plan
 from .schedule import CommSchedule, as_relay_table, derive_schedule, int_array
@@ -185,7 +187,7 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
               dtype: torch.dtype = torch.bfloat16, block_size: int | None = None, strategy: str = "dcp",
               topology: Topology | None = None, max_stages: int = 4, grad_comm_dtype: torch.dtype = torch.float32,
               effort: str = "full", check: bool = True, cost_model: CostModel | None = None,
-              memory_slack: float = DEFAULT_MEMORY_SLACK) -> Plan:
+              memory_slack: float = DEFAULT_MEMORY_SLACK, homes_from: Plan | None = None) -> Plan:
     """Plan one batch: which rank holds each token block, which rank computes each non-empty tile
     in which stage, and every transfer that implies (see docs/design.md, "Plan").
 
@@ -220,6 +222,11 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     again with FCP's packings allowed this slack, and kept where faster: a document heavier than its
     node's share then no longer forces the lightest documents that fill the node's memory onto it too
     (README, "memory slack"). 0: no such re-plan.
+    ``homes_from``: a Plan of the same batch (same world size and total length) whose data placement
+    this plan keeps - the same block homes, so ``local_tokens(r)`` are the same on every rank - planning
+    only the tiles, stages and transfers of this mask on them (dcp; planner/shared_homes.py). For models
+    whose layers attend under different masks (global and sliding-window layers) over activations sharded
+    once; ``make_plans`` plans such a set of masks. ``block_size`` defaults to that plan's.
     ``check``: verify the plan's consistency (planner/check.py ``check_plan``) before returning.
     To keep planning out of the training step, plan the next batches ahead with ``PlanAhead``
     (planner/ahead.py), which runs this function in a worker process.
@@ -229,6 +236,22 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
         block_size=block_size, strategy=strategy, topology=topology, max_stages=max_stages,
         grad_comm_dtype=grad_comm_dtype, effort=effort, cost_model=cost_model, memory_slack=memory_slack)
     check_mask_spec(mask_spec)
+    given = None
+    if homes_from is not None:
+        block_size = _check_homes_from(homes_from, world_size, int(mask_spec.total_len), block_size, strategy)
+        given = homes_from.block_home.numpy().astype(np.int64)
+    return _make_plan(mask_spec, world_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      dtype=dtype, block_size=block_size, strategy=strategy, cost_model=cost_model,
+                      max_stages=max_stages, grad_comm_dtype=grad_comm_dtype, effort=effort, check=check,
+                      memory_slack=memory_slack, given_home=given)
+
+
+def _make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype, block_size: int | None, strategy: str, cost_model: CostModel, max_stages: int,
+               grad_comm_dtype: torch.dtype, effort: str, check: bool, memory_slack: float,
+               given_home: np.ndarray | None = None) -> Plan:
+    """make_plan after its arguments are checked and normalized (``check_plan_args``); ``given_home``
+    [nB]: plan on these block homes (planner/shared_homes.py ``dcp_on_homes``), at ``block_size``."""
     total_len = int(mask_spec.total_len)
     if block_size is None:
         block_size = default_block_size(total_len, world_size, mask_spec)
@@ -237,9 +260,11 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     if strategy != "dcp":
         effort = "full"  # (only dcp has a search to cut short: the others' plans are cached once)
         memory_slack = 0.0  # (nor a re-plan to use it)
+    given = given_home
 
     key = (mask_spec.signature(), world_size, num_q_heads, num_kv_heads, head_dim, str(dtype), block_size,
-           strategy, cost_model.key(), max_stages, str(grad_comm_dtype), effort, memory_slack)
+           strategy, cost_model.key(), max_stages, str(grad_comm_dtype), effort, memory_slack,
+           None if given is None else hashlib.sha256(given.tobytes()).hexdigest())
     cached = _cache.get(key)
     if cached is not None:
         _cache.move_to_end(key)
@@ -247,10 +272,16 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
 
     check_tile_count(mask_spec, block_size, world_size)
     tiles = TileSet.from_block_mask(mask_spec.block_mask(block_size))
-    placement = _strategies()[strategy](
-        tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize,
-        max_stages=max_stages, effort=effort, memory_slack=memory_slack)
+    if given is not None:
+        sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize)
+        placement = dcp_on_homes(tiles, world_size, given, cost_model=cost_model, max_stages=max_stages,
+                                 sizes=sizes, effort=effort)
+    else:
+        placement = _strategies()[strategy](
+            tiles, world_size, cost_model=cost_model, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize,
+            max_stages=max_stages, effort=effort, memory_slack=memory_slack)
     plan = build_plan(tiles, placement, strategy=strategy, world_size=world_size, num_q_heads=num_q_heads,
                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                       mask_signature=mask_spec.signature(), cost_model=cost_model, grad_comm_dtype=grad_comm_dtype)
@@ -261,6 +292,25 @@ def make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: int
     while len(_cache) > _CACHE_SIZE or (len(_cache) > 1 and sum(_cache_bytes.values()) > _CACHE_BYTES):
         del _cache_bytes[_cache.popitem(last=False)[0]]
     return plan
+
+
+def _check_homes_from(homes_from, world_size: int, total_len: int, block_size, strategy: str) -> int:
+    """make_plan's ``homes_from`` checked against the other arguments; returns the block size to plan at."""
+    if not isinstance(homes_from, Plan):
+        raise TypeError(f"homes_from must be a Plan from make_plan (the plan whose block homes to keep), "
+                        f"got {type(homes_from).__name__}")
+    if strategy != "dcp":
+        raise ValueError(f"homes_from plans on another plan's homes with dcp's tile placement; got strategy="
+                         f"{strategy!r} (ring, zigzag and allgather place every mask on the same homes already: "
+                         "plan each mask with that strategy)")
+    if homes_from.world_size != world_size or homes_from.total_len != total_len:
+        raise ValueError(f"homes_from was planned for {homes_from.total_len} tokens on {homes_from.world_size} ranks, "
+                         f"this mask has {total_len} tokens on {world_size}: plans sharing homes cover one batch "
+                         "on one group of ranks")
+    if block_size is not None and block_size != homes_from.block_size:
+        raise ValueError(f"block_size={block_size!r} but homes_from has block_size={homes_from.block_size}: plans "
+                         "sharing homes share the block size (leave block_size out to take homes_from's)")
+    return homes_from.block_size
 
 
 def _nbytes(obj) -> int:

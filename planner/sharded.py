@@ -236,7 +236,8 @@ def _signature_hash(spec) -> int:
     if spec is None:
         return 0
     try:
-        signature = str(spec.signature())
+        # (a batch of several masks, planned on shared homes: their signatures in order)
+        signature = "|".join(str(one.signature()) for one in spec) if isinstance(spec, tuple) else str(spec.signature())
     except Exception:  # noqa: BLE001 - e.g. a mask_mod failing on the full batch, reported via its owner
         return 1
     return int.from_bytes(hashlib.sha256(signature.encode()).digest()[:8], "little") >> 1 | 2

@@ -439,6 +439,48 @@ def _errors_world3(rank, world):
         StageExchange({rank: [torch.zeros(1)]}, {}, name="self-send")
 
 
+def _layer_chain(q, k, v, masks, attend):
+    """Two "layers" over the same tokens: out1 = attend(q, k, v, masks[0]), out = attend(out1, k, v, masks[1])
+    (the second layer's queries are the first layer's output, as a stack of layers passes activations)."""
+    out1 = attend(q, k, v, masks[0], 0)
+    return attend(out1, k, v, masks[1], 1)
+
+
+def _shared_homes_world3(rank, world):
+    """A global layer (causal documents) and a local one (the same documents under a sliding window) run
+    on activations sharded once: make_plans gives both plans the same homes, so one plan.shard serves
+    both layers; values and q, k, v gradients through the chain match the float64 reference chain."""
+    from blockattn import make_plan, make_plans
+    from blockattn.distributed import distributed_block_attention
+    from blockattn.reference import attention
+
+    lens = [70, 1, 130, 45, 23]
+    T = sum(lens)
+    masks = [MaskSpec.documents(lens), MaskSpec.documents(lens) & MaskSpec.sliding_window(T, 24)]
+    kw = dict(num_q_heads=4, num_kv_heads=4, head_dim=16, dtype=torch.float32, block_size=16)
+    for plans in (make_plans(masks, world, weights=[1, 3], **kw),
+                  (make_plan(masks[0], world, **kw), None)):
+        if plans[1] is None:  # the same, built by hand: the local layer planned on the global plan's homes
+            plans = (plans[0], make_plan(masks[1], world, homes_from=plans[0], **kw))
+        assert torch.equal(plans[0].local_tokens(rank), plans[1].local_tokens(rank))
+        q, k, v, dout = _inputs(T, 4, 4, 16, torch.float32, seed=5)
+        local = plans[0].local_tokens(rank)
+        ql, kl, vl = (plans[0].shard(t, rank).requires_grad_() for t in (q, k, v))
+        out = _layer_chain(ql, kl, vl, masks,
+                           lambda q_, k_, v_, m, i: distributed_block_attention(q_, k_, v_, m, plans[i], backend="torch"))
+        (out * dout[local]).sum().backward()
+
+        def reference(dtype):
+            leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+            ref = _layer_chain(*leaves, masks, lambda q_, k_, v_, m, i: attention(q_, k_, v_, m, dtype=dtype)[0])
+            (ref * dout.to(dtype)).sum().backward()
+            return [ref.detach()] + [t.grad for t in leaves]
+
+        for name, got, r64, eager in zip(("out", "dq", "dk", "dv"), (out.detach(), ql.grad, kl.grad, vl.grad),
+                                         reference(torch.float64), reference(torch.float32)):
+            _assert_close(name, got, r64, eager, torch.float32, rows=local)
+
+
 # ----------------------------------------------------------------------------- tests
 def test_every_mask_kind_two_ranks_with_triton_case():
     spawn(_every_mask_world2, 2)
@@ -458,6 +500,10 @@ def test_strategies_awkward_lengths_five_ranks():
 
 def test_mismatches_raise_on_every_rank_and_subgroups():
     spawn(_errors_world3, 3)
+
+
+def test_layers_with_different_masks_share_homes_three_ranks():
+    spawn(_shared_homes_world3, 3)
 
 
 def test_node_relays_six_ranks_three_nodes():

@@ -51,6 +51,20 @@ def test_the_planning_ahead_snippet_compiles_with_the_examples_names():
     assert namespace["PlanAhead"].__name__ == "PlanAhead"
 
 
+def test_the_shared_homes_snippet_runs_on_a_small_batch():
+    first, _, shared = _python_blocks("## The API")[:3]
+    assert "make_plans" in shared
+    imports = "\n".join(line for line in first.splitlines() if line.startswith(("import ", "from ")))
+    import torch
+
+    seqlens = [3000, 1, 5000, 700, 2500]
+    namespace = {"seqlens": seqlens, "T": sum(seqlens), "x": torch.randn(sum(seqlens), 8), "rank": 5}
+    exec(compile(imports + "\n" + shared, "README.md", "exec"), namespace)
+    plan_global, plan_local = namespace["plan_global"], namespace["plan_local"]
+    assert torch.equal(plan_global.local_tokens(5), plan_local.local_tokens(5))
+    assert torch.equal(namespace["x_local"], namespace["x"][plan_local.local_tokens(5)])
+
+
 def test_the_planner_tables_quote_the_committed_benchmark_runs():
     """Each of the README's planner tables is bench/planner_tables.py's print of a committed JSON: a
     re-run benchmark whose README was not updated fails here (refresh: the script prints the tables)."""
@@ -60,7 +74,7 @@ def test_the_planner_tables_quote_the_committed_benchmark_runs():
     readme = (ROOT / "README.md").read_text()
     for kind, json_name in (("configurations", "bench_planner.json"), ("configurations", "bench_planner_bf16grad.json"),
                             ("masks", "bench_planner.json"), ("held-out", "bench_planner_seed1.json"),
-                            ("hypergraph", "bench_hypergraph.json")):
+                            ("hypergraph", "bench_hypergraph.json"), ("shared-homes", "bench_shared_homes.json")):
         table = tables.table(kind, ROOT / "bench" / "results" / json_name)
         assert table in readme, (f"the README's {kind} table of {json_name} is not the committed run's; "
                                  f"print it with: python bench/planner_tables.py {kind} bench/results/{json_name}\n{table}")
