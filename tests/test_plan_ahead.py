@@ -8,7 +8,7 @@ import torch
 from spawn_gloo import spawn
 
 from blockattn.masks import MaskSpec
-from blockattn.planner import CostModel, PlanAhead, Topology, clear_plan_cache, make_plan
+from blockattn.planner import CostModel, PlanAhead, Topology, clear_plan_cache, make_plan, make_plans
 
 HEADS = dict(num_q_heads=4, num_kv_heads=2, head_dim=16)
 # (a cost model other than the default H200's: the workers plan for the one given)
@@ -123,6 +123,13 @@ def _shared_planning_world3(rank: int, world: int) -> None:
             assert plan.fingerprint() == make_plan(spec, 3, **PLAN).fingerprint()
         assert planned_here == [spec.signature() for spec in batch[rank::world]]
         pa._submit_pickled = submit
+        dist.barrier()
+
+        # batches of two layer masks (tuples): each planned on shared homes by its owner, handed over whole
+        layered = [(spec, spec & MaskSpec.sliding_window(spec.total_len, 64)) for spec in batch[:3]]
+        for masks, got in zip(layered, pa.map(layered, group=dist.group.WORLD)):
+            assert isinstance(got, tuple) and torch.equal(got[0].block_home, got[1].block_home)
+            assert [p.fingerprint() for p in got] == [p.fingerprint() for p in make_plans(list(masks), 3, **PLAN)]
         dist.barrier()
 
         # batch 1's planning fails on its owner (rank 1): every rank raises it, after batch 0
