@@ -7,7 +7,8 @@ size (16-256 or the default) - or, one batch in eight, 40-160K tokens on 2-64 ra
 blocks of 128 or the default (planned on merged blocks) -, query / KV heads, dtypes and the gradient
 partials' dtype, and one batch in four other hardware than the default H200 cost model's (link
 speeds and latencies, attention TFLOP/s: ``OTHER_HARDWARE``), and plans it with every strategy with
-``check_plan`` on. A batch fails if planning raises, if the local tokens are not a partition of the
+``check_plan`` on, and the batch under a window of an eighth of its length on dcp's homes
+(``make_plan(homes_from=...)``, a model's local layers). A batch fails if planning raises, if the local tokens are not a partition of the
 batch, if a rank holds more blocks than the placements promise (the mean plus make_plan's default
 ``memory_slack`` or the contiguous cuts' slack, and two blocks, merged where dcp merges them), or if dcp
 is slower (simulated fwd + bwd) than what planner/dcp.py promises: on several nodes
@@ -106,6 +107,9 @@ def draw_batch(rng: np.random.Generator, wiki: np.ndarray) -> tuple[MaskSpec, di
     return spec, args, record
 
 
+SHARED_HOMES = "dcp on dcp's homes, windowed"  # (check_batch's key of the windowed mask's plan on dcp's homes)
+
+
 def check_batch(spec: MaskSpec, args: dict) -> tuple[dict, str | None]:
     """({strategy: fwd + bwd over the bound}, None or what failed) of one batch."""
     P, rpn, hardware = args["world_size"], args["ranks_per_node"], args.get("hardware")
@@ -134,6 +138,14 @@ def check_batch(spec: MaskSpec, args: dict) -> tuple[dict, str | None]:
             return over, (f"{strategy}: a rank holds {held} of {plan.num_blocks} blocks, over the mean plus "
                           f"the memory slack and two (merged) blocks")
         over[strategy] = plan.stats()["sim_over_bound"]
+        if strategy == "dcp":
+            # a local layer's mask (the batch under a window of an eighth of it) planned on these homes
+            local = spec & MaskSpec.sliding_window(spec.total_len, max(1, spec.total_len // 8))
+            given = {k: v for k, v in kw.items() if k != "block_size"}  # (the block size is the plan's)
+            shared = make_plan(local, P, check=True, homes_from=plan, **given)
+            if not torch.equal(shared.block_home, plan.block_home):
+                return over, "dcp on given homes (homes_from) changed them"
+            over[SHARED_HOMES] = shared.stats()["sim_over_bound"]
     slack = 1e-9
     if P > rpn:
         promised = BASELINES + ("fcp",)

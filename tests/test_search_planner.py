@@ -33,7 +33,7 @@ def test_a_batch_on_other_hardware_is_planned_and_scored_for_it():
     args = dict(world_size=6, ranks_per_node=2, block_size=64, num_q_heads=8, num_kv_heads=2, head_dim=64,
                 hardware=hardware)
     over, failure = search.check_batch(spec, args)
-    assert failure is None and set(over) == set(search.STRATEGIES), (failure, over)
+    assert failure is None and set(over) == {*search.STRATEGIES, search.SHARED_HOMES}, (failure, over)
     assert over != search.check_batch(spec, dict(args, hardware=None))[0]  # (the rates reach the plans)
 
 
