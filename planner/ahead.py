@@ -21,6 +21,7 @@ result thread before ``result()`` is asked for). ``bench/bench_plan_ahead.py`` m
 from __future__ import annotations
 
 import itertools
+import numbers
 import pickle
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -90,7 +91,7 @@ class PlanAhead:
                             grad_comm_dtype=grad_comm_dtype, effort=effort, memory_slack=memory_slack)
         if weights is not None:  # (make_plans', for batches of several masks; their count is checked per batch)
             weights = tuple(weights) if isinstance(weights, (list, tuple)) else None
-            if not weights or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf")
+            if not weights or not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and 0 < w < float("inf")
                                       for w in weights):
                 raise ValueError("weights must be a list of positive numbers, the layers under each mask of a batch "
                                  "submitted as a tuple of masks")

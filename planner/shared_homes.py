@@ -29,6 +29,7 @@ global mask's homes can read most of its window from other ranks.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import replace
 
 import numpy as np
@@ -139,7 +140,7 @@ def plan_candidates(mask_specs, world_size: int, *, num_q_heads: int, num_kv_hea
                          "describe one batch")
     weights = [1.0] * len(specs) if weights is None else list(weights)
     if len(weights) != len(specs) or not all(
-            isinstance(w, (int, float)) and not isinstance(w, bool) and np.isfinite(w) and w > 0 for w in weights):
+            isinstance(w, numbers.Real) and not isinstance(w, bool) and np.isfinite(w) and w > 0 for w in weights):
         raise ValueError(f"weights must give a positive number (layers under that mask) for each of the "
                          f"{len(specs)} masks, got {weights!r}")
     if strategy not in HOME_STRATEGIES:
