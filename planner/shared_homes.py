@@ -68,7 +68,7 @@ def dcp_on_homes(tiles: TileSet, world_size: int, home: np.ndarray, *, cost_mode
             alt = _with_transit(tiles, alt, world_size, cost_model, sizes)
             if alt.sim_time < result.sim_time:
                 result = alt
-    steps.append(("candidates", result.sim_time))
+    steps.append(("given homes", result.sim_time))  # (Plan.explain: a plan placed on another plan's homes)
     if world_size > 1 and result.sim_time > GOOD_ENOUGH * bound:
         result = _restaged(tiles, result, world_size, cost_model, max_stages, sizes)
         steps.append(("restaging", result.sim_time))

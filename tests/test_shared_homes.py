@@ -66,7 +66,7 @@ def test_homes_from_plans_on_the_given_homes():
     assert make_plan(window, 5, homes_from=base, **HEADS) is plan  # cached, with the homes in the key
     own = make_plan(window, 5, **kw)
     assert own is not plan and own.fingerprint() != plan.fingerprint()
-    assert [step for step, _ in plan.search][0] == "candidates"
+    assert [step for step, _ in plan.search][0] == "given homes" and "given homes" in plan.explain()
 
 
 def test_baselines_place_every_mask_on_the_same_homes():
