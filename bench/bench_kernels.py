@@ -1,13 +1,14 @@
 """GPU benchmark: blockattn kernels vs compiled FlexAttention, forward and backward TFLOP/s.
 
 FLOPs count only unmasked (q, k) pairs (exact, from the BlockMask): forward 4 * pairs * D * Hq,
-backward 2.5x that (5 matmuls instead of 2). Both libraries get the same bf16 THD inputs, D = 128,
+backward 2.5x that (5 matmuls instead of 2). Both libraries get the same bf16 THD inputs, D = 128 (or --head-dim),
 GQA Hq:Hkv = 8:2, block 128; times are triton.testing.do_bench medians. Outputs are cross-checked
 (max |ours - flex|). Writes bench/results/bench_kernels.json.
 
     python bench/bench_kernels.py            # full: 8K, 32K, 128K tokens (CUDA)
     python bench/bench_kernels.py --quick    # 8K and 32K only
     python bench/bench_kernels.py --dry-run  # CPU: build masks, tile lists, flex mask_mods; no kernels
+    python bench/bench_kernels.py --head-dim 96   # another head dim (bench_kernels_d96.json)
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQLENS = ROOT.parent / "shared" / "data" / "wikipedia_seqlens.txt"
-HQ, HKV, D, BLOCK = 8, 2, 128, 128
+HQ, HKV, D, BLOCK = 8, 2, 128, 128  # (D: the default of --head-dim)
 SINK, WINDOW = 64, 4096   # DCP's lambda mask; the sliding window uses the same width
 
 
@@ -107,7 +108,7 @@ def dry_run(T: int = 2048):
     print("dry run ok")
 
 
-def bench(sizes, out_path: Path):
+def bench(sizes, out_path: Path, head_dim: int = D):
     import triton
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -127,13 +128,13 @@ def bench(sizes, out_path: Path):
         for name, spec, flex_mod in build_cases(T):
             t0 = time.time()
             g = torch.Generator(device=dev).manual_seed(0)
-            q = torch.randn(T, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
-            k = torch.randn(T, HKV, D, device=dev, dtype=torch.bfloat16, generator=g)
-            v = torch.randn(T, HKV, D, device=dev, dtype=torch.bfloat16, generator=g)
+            q = torch.randn(T, HQ, head_dim, device=dev, dtype=torch.bfloat16, generator=g)
+            k = torch.randn(T, HKV, head_dim, device=dev, dtype=torch.bfloat16, generator=g)
+            v = torch.randn(T, HKV, head_dim, device=dev, dtype=torch.bfloat16, generator=g)
             dout = torch.randn_like(q)
-            scale = 1.0 / math.sqrt(D)
+            scale = 1.0 / math.sqrt(head_dim)
             pairs = unmasked_pairs(spec)
-            fwd_flops = 4.0 * pairs * D * HQ
+            fwd_flops = 4.0 * pairs * head_dim * HQ
             tiles, tiles_t, km = _device_tiles(spec.block_mask(BLOCK), dev)
 
             ours_fwd = lambda: kernels.attention_fwd(q, k, v, tiles, km, scale)  # noqa: E731
@@ -175,7 +176,7 @@ def bench(sizes, out_path: Path):
                   f"diff out {max_diff:.3g} dq {dq_diff:.3g} ({row['wall_s']:.0f}s)", flush=True)
             rates = planner_rates(rows)
             out_path.parent.mkdir(parents=True, exist_ok=True)
-            out_path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), hq=HQ, hkv=HKV, head_dim=D,
+            out_path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), hq=HQ, hkv=HKV, head_dim=head_dim,
                                                 block=BLOCK, dtype="bf16", cost_model=rates, rows=rows), indent=1))
     print(f"wrote {out_path}; plan for these kernels with make_plan(..., cost_model="
           f"CostModel.from_kernel_tflops({rates['fwd_tflops']:.0f}, {rates['bwd_tflops']:.0f}, topology=...))")
@@ -193,19 +194,25 @@ def planner_rates(rows: list[dict]) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="blockattn vs FlexAttention (bf16, D=128, GQA 8:2)")
+    ap = argparse.ArgumentParser(description="blockattn vs FlexAttention (bf16, GQA 8:2, D=128 or --head-dim)")
     ap.add_argument("--quick", action="store_true", help="8K and 32K tokens only")
     ap.add_argument("--dry-run", action="store_true", help="CPU: build masks and tile lists, run no kernel")
     ap.add_argument("--sizes", type=int, nargs="*", help="token counts (default 8192 32768 131072)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "bench_kernels.json"))
+    ap.add_argument("--head-dim", type=int, default=D, help="head dim (default 128; e.g. 96 or 80 run in the "
+                    "next power of two's tiles)")
+    ap.add_argument("--out", default=None, help="default bench/results/bench_kernels.json "
+                    "(bench_kernels_d<D>.json for another --head-dim)")
     args = ap.parse_args(argv)
+    if args.out is None:
+        name = "bench_kernels.json" if args.head_dim == D else f"bench_kernels_d{args.head_dim}.json"
+        args.out = str(ROOT / "bench" / "results" / name)
     if args.dry_run:
         dry_run()
         return
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU (use --dry-run on CPU)")
     sizes = args.sizes or ([8192, 32768] if args.quick else [8192, 32768, 131072])
-    bench(sizes, Path(args.out))
+    bench(sizes, Path(args.out), head_dim=args.head_dim)
 
 
 if __name__ == "__main__":
