@@ -260,11 +260,10 @@ def _make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: in
     if strategy != "dcp":
         effort = "full"  # (only dcp has a search to cut short: the others' plans are cached once)
         memory_slack = 0.0  # (nor a re-plan to use it)
-    given = given_home
 
     key = (mask_spec.signature(), world_size, num_q_heads, num_kv_heads, head_dim, str(dtype), block_size,
            strategy, cost_model.key(), max_stages, str(grad_comm_dtype), effort, memory_slack,
-           None if given is None else hashlib.sha256(given.tobytes()).hexdigest())
+           None if given_home is None else hashlib.sha256(given_home.tobytes()).hexdigest())
     cached = _cache.get(key)
     if cached is not None:
         _cache.move_to_end(key)
@@ -272,10 +271,10 @@ def _make_plan(mask_spec, world_size: int, *, num_q_heads: int, num_kv_heads: in
 
     check_tile_count(mask_spec, block_size, world_size)
     tiles = TileSet.from_block_mask(mask_spec.block_mask(block_size))
-    if given is not None:
+    if given_home is not None:
         sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      element_size=dtype.itemsize, grad_element_size=grad_comm_dtype.itemsize)
-        placement = dcp_on_homes(tiles, world_size, given, cost_model=cost_model, max_stages=max_stages,
+        placement = dcp_on_homes(tiles, world_size, given_home, cost_model=cost_model, max_stages=max_stages,
                                  sizes=sizes, effort=effort)
     else:
         placement = _strategies()[strategy](
