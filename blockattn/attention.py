@@ -155,12 +155,10 @@ def block_attention(q, k, v, mask_spec, plan=None, *, softmax_scale=None, return
         block_size = plan.block_size
     elif block_size is None:
         block_size = default_block_size(q.device, mask_spec)
-    elif isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int (tokens per tile side) or None, got "
-                        f"{type(block_size).__name__} ({block_size!r})")
     be = get_backend(backend)
     D = q.shape[2]
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    tiles, tiles_t, kmask = _device_tiles(mask_spec.block_mask(int(block_size)), q.device)
+    # (block_mask checks block_size: an int >= 1, numpy's too)
+    tiles, tiles_t, kmask = _device_tiles(mask_spec.block_mask(block_size), q.device)
     out, lse = _BlockAttention.apply(q, k, v, tiles, tiles_t, kmask, scale, be)
     return (out, lse) if return_lse else out

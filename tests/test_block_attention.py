@@ -8,6 +8,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import types  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -162,6 +163,8 @@ def test_bad_plan_block_size_and_softmax_scale_are_refused_on_one_device_as_dist
         block_attention(*(t.to("meta") for t in (q, k, v)), spec, block_size=16)
     with pytest.raises(TypeError, match="block_size must be an int"):
         block_attention(q, k, v, spec, block_size=2.5)
+    torch.testing.assert_close(block_attention(q, k, v, spec, block_size=np.int64(16), backend="torch"),
+                               block_attention(q, k, v, spec, block_size=16, backend="torch"))  # (numpy's ints too)
     for scale in (float("nan"), 0.0, -1.0, float("inf"), True):
         with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
             block_attention(q, k, v, spec, block_size=16, softmax_scale=scale, backend="torch")
