@@ -21,7 +21,6 @@ result thread before ``result()`` is asked for). ``bench/bench_plan_ahead.py`` m
 from __future__ import annotations
 
 import itertools
-import numbers
 import pickle
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -36,7 +35,7 @@ import torch
 from .api import DEFAULT_MEMORY_SLACK, check_mask_spec, check_plan_args, make_plan
 from .cost_model import CostModel, Topology
 from .plan import Plan
-from .shared_homes import make_plans
+from .shared_homes import check_weights, make_plans
 from .sharded import HandOver
 
 _DEAD_WORKER = ("a planning worker process died (killed, e.g. out of memory, or crashed); the plans in flight "
@@ -89,13 +88,8 @@ class PlanAhead:
         self._kwargs = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                             block_size=block_size, strategy=strategy, cost_model=cost_model, max_stages=max_stages,
                             grad_comm_dtype=grad_comm_dtype, effort=effort, memory_slack=memory_slack)
-        if weights is not None:  # (make_plans', for batches of several masks; their count is checked per batch)
-            weights = tuple(weights) if isinstance(weights, (list, tuple)) else None
-            if not weights or not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and 0 < w < float("inf")
-                                      for w in weights):
-                raise ValueError("weights must be a list of positive numbers, the layers under each mask of a batch "
-                                 "submitted as a tuple of masks")
-        self._weights = weights
+        # (make_plans', for batches submitted as tuples of masks; their count is checked per batch)
+        self._weights = None if weights is None else tuple(check_weights(weights))
         self._pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(mp_context),
                                          initializer=_init_worker)
         self._started = self._pool.submit(_ready)  # start the workers now, not at the first batch

@@ -82,6 +82,20 @@ def dcp_on_homes(tiles: TileSet, world_size: int, home: np.ndarray, *, cost_mode
     return replace(result, search=tuple(steps))
 
 
+def check_weights(weights, count: int | None = None) -> list:
+    """``weights`` (layers under each mask) as a list, ValueError unless they are positive finite numbers,
+    ``count`` of them where given (make_plans: one per mask; PlanAhead: checked per batch)."""
+    try:
+        listed = [] if isinstance(weights, (str, bytes)) else list(weights)
+    except TypeError:  # (not a sequence at all)
+        listed = []
+    if not listed or (count is not None and len(listed) != count) or not all(
+            isinstance(w, numbers.Real) and not isinstance(w, bool) and np.isfinite(w) and w > 0 for w in listed):
+        many = "a list of" if count is None else f"one for each of the {count} masks:"
+        raise ValueError(f"weights must be {many} positive numbers (the layers under each mask), got {weights!r}")
+    return listed
+
+
 def joint_tiles(tile_sets: list, weights: list) -> TileSet:
     """The union of several masks' tiles over one batch (same blocks), each tile's unmasked pairs summed
     over the masks with ``weights``: the compute of a layer stack, whose homes dcp can place at once."""
@@ -138,11 +152,7 @@ def plan_candidates(mask_specs, world_size: int, *, num_q_heads: int, num_kv_hea
     if len(lengths) > 1:
         raise ValueError(f"make_plans: the masks cover different token counts {lengths}; masks sharing homes "
                          "describe one batch")
-    weights = [1.0] * len(specs) if weights is None else list(weights)
-    if len(weights) != len(specs) or not all(
-            isinstance(w, numbers.Real) and not isinstance(w, bool) and np.isfinite(w) and w > 0 for w in weights):
-        raise ValueError(f"weights must give a positive number (layers under that mask) for each of the "
-                         f"{len(specs)} masks, got {weights!r}")
+    weights = [1.0] * len(specs) if weights is None else check_weights(weights, len(specs))
     if strategy not in HOME_STRATEGIES:
         raise ValueError(f"make_plans shares homes with strategy 'dcp' or a baseline ('ring', 'zigzag', "
                          f"'allgather'), got {strategy!r}: fcp and hypergraph choose homes per mask")
