@@ -54,11 +54,12 @@ def one_case(masks: list, world_size: int, ranks_per_node: int) -> dict:
         t0 = time.perf_counter()
         kept = make_plans(masks, world_size, weights=list(weights), **kw)
         planning = time.perf_counter() - t0
-        chosen = [name for name, plans, _ in candidates if torch.equal(plans[0].block_home, kept[0].block_home)]
+        chosen = next(i for i, (_, plans, _) in enumerate(candidates)
+                      if torch.equal(plans[0].block_home, kept[0].block_home))
         entry["by_weights"][f"{weights[0]}:{weights[1]}"] = {
-            "candidates_over_separate": {CANDIDATES[i]: cost / separate for i, (_, _, cost) in enumerate(candidates)},
+            "candidates_over_separate": {name: cost / separate for name, (_, _, cost) in zip(CANDIDATES, candidates)},
             "kept_over_separate": sum(w * _seconds(p) for w, p in zip(weights, kept)) / separate,
-            "kept": CANDIDATES[[name for name, _, _ in candidates].index(chosen[0])],
+            "kept": CANDIDATES[chosen],
             "make_plans_s": planning, "kept_over_bound": [p.stats()["sim_over_bound"] for p in kept]}
     return entry
 

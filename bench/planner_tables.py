@@ -137,7 +137,8 @@ def hypergraph(report: dict) -> str:
 def shared_homes(report: dict) -> str:
     """bench_shared_homes' summary: per configuration and global : local layers, the weighted time of the
     kept plans and of each candidate's over the masks planned apart, geomean (max), and make_plans' time."""
-    names = ("global's homes", "local's homes", "joint homes")
+    first = next(iter(report["summary"].values()))
+    names = [name for name, cell in first.items() if name != "kept" and isinstance(cell, dict) and "geomean" in cell]
     out = [_row(["ranks (per node), global : local layers", "kept", *names, "make_plans, median"]),
            _row(["---"] * (3 + len(names)))]
     for key, row in report["summary"].items():

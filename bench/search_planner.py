@@ -141,8 +141,7 @@ def check_batch(spec: MaskSpec, args: dict) -> tuple[dict, str | None]:
         if strategy == "dcp":
             # a local layer's mask (the batch under a window of an eighth of it) planned on these homes
             local = spec & MaskSpec.sliding_window(spec.total_len, max(1, spec.total_len // 8))
-            given = {k: v for k, v in kw.items() if k != "block_size"}  # (the block size is the plan's)
-            shared = make_plan(local, P, check=True, homes_from=plan, **given)
+            shared = make_plan(local, P, check=True, homes_from=plan, **kw)
             if not torch.equal(shared.block_home, plan.block_home):
                 return over, "dcp on given homes (homes_from) changed them"
             over[SHARED_HOMES] = shared.stats()["sim_over_bound"]
