@@ -15,6 +15,7 @@ from torch.autograd.function import once_differentiable
 
 from blockattn.backend import Backend, get_backend
 from blockattn.kernels.tiles import KernelMask, TileList
+from blockattn.sinks import check_sinks, merge_sinks
 
 __all__ = ["block_attention", "default_block_size"]
 
@@ -129,7 +130,7 @@ class _BlockAttention(torch.autograd.Function):
 
 
 def block_attention(q, k, v, mask_spec, plan=None, *, softmax_scale=None, return_lse=False, backend=None,
-                    group=None, block_size=None):
+                    group=None, block_size=None, sinks=None):
     """Masked attention ``softmax(scale * q k^T + mask) v`` over a packed batch, differentiable in q, k, v.
 
     q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (``Hq % Hkv == 0``), fp16/bf16/fp32, one device; ``mask_spec``
@@ -137,9 +138,18 @@ def block_attention(q, k, v, mask_spec, plan=None, *, softmax_scale=None, return
     a plan with ``world_size > 1`` runs distributed (q, k, v then hold this rank's tokens).
     ``backend``: "triton" (default) or "torch". ``block_size``: tile size of the BlockMask the kernels
     walk (default: the plan's, else 128 on CUDA and 32 on CPU, larger for masks with millions of tiles). Returns ``out`` (and ``lse [Hq, T]``
-    fp32 when ``return_lse``); fully masked rows give out 0 and lse -inf.
+    fp32 when ``return_lse``); fully masked rows give out 0 and lse -inf. ``sinks``: None or a float
+    tensor [Hq] of learned sink logits (GPT-OSS), one more key per head with a zero value in every row's
+    softmax (blockattn/sinks.py); lse then includes it, and a fully masked row gives out 0, lse = sink.
     """
     check_softmax_scale(softmax_scale)
+    if sinks is not None:
+        if isinstance(q, torch.Tensor) and q.dim() == 3:  # (else the checks below say what is wrong with q)
+            check_sinks(sinks, q)
+        out, lse = block_attention(q, k, v, mask_spec, plan, softmax_scale=softmax_scale, return_lse=True,
+                                   backend=backend, group=group, block_size=block_size)
+        out, lse = merge_sinks(out, lse, sinks)
+        return (out, lse) if return_lse else out
     if plan is not None:
         _check_plan_block_size(plan, block_size)
         if int(plan.world_size) > 1:

@@ -18,12 +18,15 @@ def attention(
     softmax_scale: Optional[float] = None,
     *,
     dtype: torch.dtype = torch.float64,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked attention in ``dtype`` (float64 by default), dense, THD layout.
 
     q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (GQA when ``Hq % Hkv == 0``). Returns ``out [T, Hq, D]``
     and ``lse [Hq, T]`` (natural log). Fully masked rows give ``out = 0`` and ``lse = -inf``.
     Pass ``dtype=q.dtype`` to get the same-dtype eager result used to size test tolerances.
+    ``sinks [Hq]``: learned sink logits, a key column every row sees with a zero value (GPT-OSS's
+    softmax over the scores and the sink, the sink's probability dropped); lse includes it.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"expected q, k, v of shape [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -44,7 +47,11 @@ def attention(
     allowed = mask_spec.to_dense().to(q.device)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # -inf on fully masked rows
+    if sinks is not None:  # (the sink column joins the normalizer only: its value is zero)
+        column = sinks.to(dtype)[:, None, None].expand(Hq, T, 1)
+        lse = torch.logsumexp(torch.cat([scores, column], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(scores, dim=-1)  # -inf on fully masked rows
     # exp(-inf - (-inf)) would be NaN; a fully masked row has no probability mass at all.
     safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(scores - safe_lse.unsqueeze(-1))

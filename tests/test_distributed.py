@@ -261,6 +261,45 @@ def _reference_with_lse(spec, q, k, v, dout, dlse, dtype):
     return [out.detach(), lse.detach()] + [t.grad for t in leaves]
 
 
+def run_sinks_case(rank, world, spec, *, strategy, Hq=4, Hkv=2, D=16, dtype=torch.float32, block_size=16):
+    """Learned sinks (blockattn/sinks.py) through block_attention on a plan: this rank's out, lse and q,
+    k, v gradients, and the sinks' gradient summed over the ranks (each rank's covers its rows), against
+    the float64 reference's softmax with a sink column."""
+    from blockattn.attention import block_attention
+    from blockattn.reference import attention
+    from blockattn.planner import make_plan
+
+    kw = dict(num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, dtype=dtype, block_size=block_size)
+    plan = (random_plan(spec, world, seed=int(strategy[6:]), **kw) if strategy.startswith("random")
+            else make_plan(spec, world, strategy=strategy, **kw))
+    T = spec.total_len
+    q, k, v, dout = _inputs(T, Hq, Hkv, D, dtype)
+    g = torch.Generator().manual_seed(7)
+    sinks, dlse = torch.randn(Hq, generator=g) * 2, torch.randn(Hq, T, generator=g)
+    local = plan.local_tokens(rank)
+    leaves = [plan.shard(t, rank).requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
+    out, lse = block_attention(*leaves[:3], spec, plan, sinks=leaves[3], return_lse=True, backend="torch")
+    ((out.float() * dout[local].float()).sum() + (lse * dlse[:, local]).sum()).backward()
+    dsinks = leaves[3].grad.clone()
+    dist.all_reduce(dsinks)
+    refs = []
+    for dt in (torch.float64, dtype):
+        ref_leaves = [t.to(dt).requires_grad_() for t in (q, k, v, sinks)]
+        r_out, r_lse = attention(*ref_leaves[:3], spec, dtype=dt, sinks=ref_leaves[3])
+        ((r_out * dout.to(dt)).sum() + (r_lse * dlse.to(r_lse.dtype)).sum()).backward()
+        refs.append([r_out.detach(), r_lse.detach()] + [t.grad for t in ref_leaves])
+    where = f"sinks {strategy} {spec!r} rank {rank}/{world}"
+    got = (out, lse, leaves[0].grad, leaves[1].grad, leaves[2].grad)
+    for name, got_t, r64, reager in zip(("out", "lse", "dq", "dk", "dv"), got, *refs):
+        try:
+            _assert_close(name, got_t.detach(), r64, reager, dtype, rows=local)
+        except AssertionError as e:
+            raise AssertionError(f"{where}: {e}") from None
+    err = (dsinks.double() - refs[0][5]).abs().max().item()
+    bound = FACTOR * (refs[1][5].double() - refs[0][5]).abs().max().item() + ATOL[dtype]
+    assert err <= bound, f"{where}: dsinks error {err:.3g} > bound {bound:.3g}"
+
+
 # ----------------------------------------------------------------------------- cases (run in workers)
 def _every_mask_world2(rank, world):
     T = 150  # not a multiple of the block (16)
@@ -291,6 +330,10 @@ def _masks_world3(rank, world):
     bits_mask = MaskSpec.from_mask_mod(lambda qi, ki: (ki <= qi) & ((qi // 7 + ki // 5) % 4 != 1), 163)
     run_case(rank, world, bits_mask, strategy="random4", Hq=6, Hkv=2)
     run_case(rank, world, MaskSpec.causal(120), strategy="random9-empty1")  # rank 1 holds no token
+    # learned sinks: merged at each row's home after its partials; rows with no key attend only the sink
+    holes = MaskSpec.from_mask_mod(lambda qi, ki: (ki <= qi) & (qi % 7 != 3), 150)
+    run_sinks_case(rank, world, holes, strategy="random11")
+    run_sinks_case(rank, world, MaskSpec.documents([1, 45, 3, 80, 1, 67]), strategy="dcp", dtype=torch.bfloat16)
     # dQ / dK / dV partials sent in bf16 (summed in fp32 at home): within the bf16 bound, bytes as planned
     for strategy in ("random10", "dcp"):
         run_case(rank, world, MaskSpec.documents([1, 45, 3, 80, 1, 67]), dtype=torch.bfloat16, Hkv=1,
