@@ -108,7 +108,7 @@ def dry_run(T: int = 2048):
     print("dry run ok")
 
 
-def bench(sizes, out_path: Path, head_dim: int = D):
+def bench(sizes, out_path: Path, head_dim: int = D, softcap: float | None = None):
     import triton
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -123,6 +123,10 @@ def bench(sizes, out_path: Path, head_dim: int = D):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(256, getattr(torch._dynamo.config, knob)))
     flex = torch.compile(flex_attention, dynamic=False)
+
+    def soft_cap(score, b, h, q_idx, kv_idx):  # (flex's scores arrive scaled: the same cap as ours)
+        return softcap * torch.tanh(score / softcap)
+
     rows = []
     for T in sizes:
         for name, spec, flex_mod in build_cases(T):
@@ -137,25 +141,27 @@ def bench(sizes, out_path: Path, head_dim: int = D):
             fwd_flops = 4.0 * pairs * head_dim * HQ
             tiles, tiles_t, km = _device_tiles(spec.block_mask(BLOCK), dev)
 
-            ours_fwd = lambda: kernels.attention_fwd(q, k, v, tiles, km, scale)  # noqa: E731
+            cap = {} if softcap is None else {"softcap": softcap}
+            ours_fwd = lambda: kernels.attention_fwd(q, k, v, tiles, km, scale, **cap)  # noqa: E731
             out, lse = ours_fwd()
             delta = kernels.attention_bwd_preprocess(out, dout)
 
             def ours_bwd():
                 d = kernels.attention_bwd_preprocess(out, dout)
-                kernels.attention_bwd_dq(q, k, v, dout, lse, d, tiles, km, scale)
-                kernels.attention_bwd_dkdv(q, k, v, dout, lse, d, tiles_t, km, scale)
+                kernels.attention_bwd_dq(q, k, v, dout, lse, d, tiles, km, scale, **cap)
+                kernels.attention_bwd_dkdv(q, k, v, dout, lse, d, tiles_t, km, scale, **cap)
 
             bmask = create_block_mask(flex_mod(dev), None, None, T, T, device=dev, BLOCK_SIZE=BLOCK)
             fq, fk, fv = (t.transpose(0, 1).unsqueeze(0).contiguous().requires_grad_() for t in (q, k, v))
             fdo = dout.transpose(0, 1).unsqueeze(0).contiguous()
-            flex_fwd = lambda: flex(fq, fk, fv, block_mask=bmask, scale=scale, enable_gqa=True)  # noqa: E731
+            flex_fwd = lambda: flex(fq, fk, fv, block_mask=bmask, scale=scale, enable_gqa=True,  # noqa: E731
+                                    score_mod=None if softcap is None else soft_cap)
             with torch.no_grad():
                 f_out = flex_fwd()
             f_out_g = flex_fwd()
             flex_bwd = lambda: torch.autograd.grad(f_out_g, (fq, fk, fv), fdo, retain_graph=True)  # noqa: E731
             max_diff = (f_out[0].transpose(0, 1).float() - out.float()).abs().max().item()
-            dq = kernels.attention_bwd_dq(q, k, v, dout, lse, delta, tiles, km, scale)
+            dq = kernels.attention_bwd_dq(q, k, v, dout, lse, delta, tiles, km, scale, **cap)
             f_dq = flex_bwd()[0][0].transpose(0, 1).float()
             dq_diff = (f_dq - dq).abs().max().item()
 
@@ -177,7 +183,8 @@ def bench(sizes, out_path: Path, head_dim: int = D):
             rates = planner_rates(rows)
             out_path.parent.mkdir(parents=True, exist_ok=True)
             out_path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), hq=HQ, hkv=HKV, head_dim=head_dim,
-                                                block=BLOCK, dtype="bf16", cost_model=rates, rows=rows), indent=1))
+                                                softcap=softcap, block=BLOCK, dtype="bf16", cost_model=rates,
+                                                rows=rows), indent=1))
     print(f"wrote {out_path}; plan for these kernels with make_plan(..., cost_model="
           f"CostModel.from_kernel_tflops({rates['fwd_tflops']:.0f}, {rates['bwd_tflops']:.0f}, topology=...))")
     return rows
@@ -200,19 +207,22 @@ def main(argv=None):
     ap.add_argument("--sizes", type=int, nargs="*", help="token counts (default 8192 32768 131072)")
     ap.add_argument("--head-dim", type=int, default=D, help="head dim (default 128; e.g. 96 or 80 run in the "
                     "next power of two's tiles)")
+    ap.add_argument("--softcap", type=float, default=None, help="logit soft-capping (e.g. 50, Gemma 2), flex "
+                    "given the same as a score_mod")
     ap.add_argument("--out", default=None, help="default bench/results/bench_kernels.json "
-                    "(bench_kernels_d<D>.json for another --head-dim)")
+                    "(bench_kernels_d<D>.json for another --head-dim, _softcap added with --softcap)")
     args = ap.parse_args(argv)
     if args.out is None:
-        name = "bench_kernels.json" if args.head_dim == D else f"bench_kernels_d{args.head_dim}.json"
-        args.out = str(ROOT / "bench" / "results" / name)
+        name = "bench_kernels" + ("" if args.head_dim == D else f"_d{args.head_dim}")
+        name += "" if args.softcap is None else "_softcap"
+        args.out = str(ROOT / "bench" / "results" / f"{name}.json")
     if args.dry_run:
         dry_run()
         return
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU (use --dry-run on CPU)")
     sizes = args.sizes or ([8192, 32768] if args.quick else [8192, 32768, 131072])
-    bench(sizes, Path(args.out), head_dim=args.head_dim)
+    bench(sizes, Path(args.out), head_dim=args.head_dim, softcap=args.softcap)
 
 
 if __name__ == "__main__":

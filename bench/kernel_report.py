@@ -37,7 +37,7 @@ def cuobjdump_path() -> Path | None:
 
 
 def _signature(kind: str, dtype: str, D: int, B: int, cfg, group: int, even: bool, has_iv: bool, has_bits: bool,
-               accumulate: bool = False):
+               accumulate: bool = False, softcap: bool = False):
     """(kernel fn, signature, constexprs) for one kernel configuration."""
     from blockattn.kernels.backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
     from blockattn.kernels.forward import attention_fwd_kernel
@@ -48,27 +48,28 @@ def _signature(kind: str, dtype: str, D: int, B: int, cfg, group: int, even: boo
                                   "PartPtr", "PartRow", "PartGlob", "PartBits")}
     masks = {"Intervals": "*i32", "Bits": "*u8"}
     const = dict(GROUP=group, BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, BLOCK_D=block_d(D),
-                 EVEN_T=even, HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC="ieee" if dtype == "fp32" else "tf32")
+                 EVEN_T=even, HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC="ieee" if dtype == "fp32" else "tf32",
+                 SOFTCAP=softcap)
     if kind == "fwd":
         fn = attention_fwd_kernel
         sig = {"Q": p, "K": p, "V": p, "Out": p, "Lse": "*fp32", **tiles, **masks}
         strides = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
                    "stride_ot", "stride_oh", "stride_lh"]
-        scalars = {"T": "i32", "num_heads": "i32", "qk_scale": "fp32"}
+        scalars = {"T": "i32", "num_heads": "i32", "qk_scale": "fp32", "cap": "fp32"}
         const["ACCUMULATE"] = accumulate
     elif kind == "dq":
         fn = attention_bwd_dq_kernel
         sig = {"Q": p, "K": p, "V": p, "DOut": p, "Lse": "*fp32", "Delta": "*fp32", "DQ": "*fp32", **tiles, **masks}
         strides = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_dot",
                    "stride_doh", "stride_dqt", "stride_dqh", "stride_lh"]
-        scalars = {"T": "i32", "num_heads": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        scalars = {"T": "i32", "num_heads": "i32", "qk_scale": "fp32", "sm_scale": "fp32", "cap": "fp32"}
     else:
         fn = attention_bwd_dkdv_kernel
         sig = {"Q": p, "K": p, "V": p, "DOut": p, "Lse": "*fp32", "Delta": "*fp32", "DK": "*fp32", "DV": "*fp32",
                **tiles, **masks}
         strides = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_dot",
                    "stride_doh", "stride_dkt", "stride_dkh", "stride_dvt", "stride_dvh", "stride_lh"]
-        scalars = {"T": "i32", "num_heads": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        scalars = {"T": "i32", "num_heads": "i32", "qk_scale": "fp32", "sm_scale": "fp32", "cap": "fp32"}
     sig.update({s: "i32" for s in strides})
     sig.update(scalars)
     sig.update({c: "constexpr" for c in const})
@@ -97,7 +98,8 @@ def _small_kernel_signature(kind: str, dtype: str, D: int):
     return fn, {a: sig[a] for a in fn.arg_names}, const
 
 
-def compile_one(kind, dtype, D, B, cfg, group=4, even=True, has_iv=True, has_bits=False, accumulate=False):
+def compile_one(kind, dtype, D, B, cfg, group=4, even=True, has_iv=True, has_bits=False, accumulate=False,
+                softcap=False):
     """Compile one configuration for sm_90a; returns the CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -106,7 +108,7 @@ def compile_one(kind, dtype, D, B, cfg, group=4, even=True, has_iv=True, has_bit
     if kind in ("merge", "preprocess"):
         fn, sig, const = _small_kernel_signature(kind, dtype, D)
     else:
-        fn, sig, const = _signature(kind, dtype, D, B, cfg, group, even, has_iv, has_bits, accumulate)
+        fn, sig, const = _signature(kind, dtype, D, B, cfg, group, even, has_iv, has_bits, accumulate, softcap)
     # the hints Triton's JIT derives at launch for contiguous THD tensors with D a multiple of 16:
     # pointers 16-byte aligned, row/head strides divisible by 16 (lets loads vectorize to 16 bytes)
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
@@ -184,7 +186,9 @@ def main(argv=None):
     rows = []
     variants = {"intervals": dict(has_iv=True, has_bits=False), "bits": dict(has_iv=False, has_bits=True),
                 # T not a multiple of the block (masked loads) and, for the forward, accumulate=True
-                "ragged": dict(has_iv=True, has_bits=False, even=False, accumulate=True)}
+                "ragged": dict(has_iv=True, has_bits=False, even=False, accumulate=True),
+                # logit soft-capping (kernels/mask_tile.py tanh): one more exp2 per score
+                "softcap": dict(has_iv=True, has_bits=False, softcap=True)}
     for kind, dtype, D, B in configs(args.quick):
         cfg = kernel_config(kind, B, block_d(D), torch.device("cuda"))
         main_cfg = (dtype, D, B) == ("bf16", 128, 128)

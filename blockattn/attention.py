@@ -14,6 +14,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from blockattn.backend import Backend, get_backend
+from blockattn.kernels.launch import check_softcap
 from blockattn.kernels.tiles import KernelMask, TileList
 from blockattn.sinks import check_sinks, merge_sinks
 
@@ -100,13 +101,19 @@ def _check_plan_block_size(plan, block_size) -> None:
                          "leave block_size out (the plan's is used) or make the plan with that block_size")
 
 
+def _capped(softcap) -> dict:
+    """The backends' ``softcap`` keyword where capping is on: a backend object without the keyword still
+    runs uncapped attention."""
+    return {} if softcap is None else {"softcap": float(softcap)}
+
+
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, tiles, tiles_t, kmask, scale, backend: Backend):
+    def forward(ctx, q, k, v, tiles, tiles_t, kmask, scale, softcap, backend: Backend):
         q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
-        out, lse = backend.attention_fwd(q, k, v, tiles, kmask, scale)
+        out, lse = backend.attention_fwd(q, k, v, tiles, kmask, scale, **_capped(softcap))
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (tiles, tiles_t, kmask, scale, backend)
+        ctx.meta = (tiles, tiles_t, kmask, scale, softcap, backend)
         ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero tensor to subtract
         return out, lse
 
@@ -116,7 +123,7 @@ class _BlockAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        tiles, tiles_t, kmask, scale, backend = ctx.meta
+        tiles, tiles_t, kmask, scale, softcap, backend = ctx.meta
         if dout is None:
             dout = torch.zeros_like(out)
         dout = dout.to(q.dtype).contiguous()
@@ -124,13 +131,13 @@ class _BlockAttention(torch.autograd.Function):
         if dlse is not None:
             # d lse / d s_j = P_j, so a gradient on lse enters dS = P * (dP - delta) as delta - dlse
             delta = delta - torch.nan_to_num(dlse.float(), nan=0.0, posinf=0.0, neginf=0.0)
-        dq = backend.attention_bwd_dq(q, k, v, dout, lse, delta, tiles, kmask, scale)
-        dk, dv = backend.attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t, kmask, scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dq = backend.attention_bwd_dq(q, k, v, dout, lse, delta, tiles, kmask, scale, **_capped(softcap))
+        dk, dv = backend.attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t, kmask, scale, **_capped(softcap))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def block_attention(q, k, v, mask_spec, plan=None, *, softmax_scale=None, return_lse=False, backend=None,
-                    group=None, block_size=None, sinks=None):
+                    group=None, block_size=None, sinks=None, softcap=None):
     """Masked attention ``softmax(scale * q k^T + mask) v`` over a packed batch, differentiable in q, k, v.
 
     q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (``Hq % Hkv == 0``), fp16/bf16/fp32, one device; ``mask_spec``
@@ -141,13 +148,16 @@ def block_attention(q, k, v, mask_spec, plan=None, *, softmax_scale=None, return
     fp32 when ``return_lse``); fully masked rows give out 0 and lse -inf. ``sinks``: None or a float
     tensor [Hq] of learned sink logits (GPT-OSS), one more key per head with a zero value in every row's
     softmax (blockattn/sinks.py); lse then includes it, and a fully masked row gives out 0, lse = sink.
+    ``softcap``: None or a positive number c: scores ``c * tanh(scale * q.k / c)`` (Gemma 2's logit
+    soft-capping, c = 50), inside the kernels forward and backward.
     """
     check_softmax_scale(softmax_scale)
+    check_softcap(softcap)
     if sinks is not None:
         if isinstance(q, torch.Tensor) and q.dim() == 3:  # (else the checks below say what is wrong with q)
             check_sinks(sinks, q)
         out, lse = block_attention(q, k, v, mask_spec, plan, softmax_scale=softmax_scale, return_lse=True,
-                                   backend=backend, group=group, block_size=block_size)
+                                   backend=backend, group=group, block_size=block_size, softcap=softcap)
         out, lse = merge_sinks(out, lse, sinks)
         return (out, lse) if return_lse else out
     if plan is not None:
@@ -156,7 +166,8 @@ def block_attention(q, k, v, mask_spec, plan=None, *, softmax_scale=None, return
             from blockattn.distributed import distributed_block_attention
 
             return distributed_block_attention(q, k, v, mask_spec, plan, softmax_scale=softmax_scale,
-                                               return_lse=return_lse, backend=backend, group=group)
+                                               return_lse=return_lse, backend=backend, group=group,
+                                               softcap=softcap)
     _validate(q, k, v, mask_spec)
     if plan is not None:  # (a one-rank plan is held to the same inputs as a distributed one)
         from blockattn.distributed import _validate_against_plan
@@ -170,5 +181,5 @@ def block_attention(q, k, v, mask_spec, plan=None, *, softmax_scale=None, return
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     # (block_mask checks block_size: an int >= 1, numpy's too)
     tiles, tiles_t, kmask = _device_tiles(mask_spec.block_mask(block_size), q.device)
-    out, lse = _BlockAttention.apply(q, k, v, tiles, tiles_t, kmask, scale, be)
+    out, lse = _BlockAttention.apply(q, k, v, tiles, tiles_t, kmask, scale, softcap, be)
     return (out, lse) if return_lse else out

@@ -38,7 +38,8 @@ from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
 from blockattn import comms
-from blockattn.attention import check_softmax_scale
+from blockattn.attention import _capped, check_softmax_scale
+from blockattn.kernels.launch import check_softcap
 from blockattn.planner.schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_NAMES, KIND_OUT, KIND_Q
 
 __all__ = ["distributed_block_attention", "check_plan_agreement", "rank_program", "build_rank_program", "RankProgram"]
@@ -343,7 +344,7 @@ class _DistributedAttention(torch.autograd.Function):
                                    name=f"fwd exchange {j}/{S}")
             if j < S and prog.stages[j].q_tiles is not None:
                 be.attention_fwd(qb, kb, vb, prog.stages[j].q_tiles, kmask, scale, out=out, lse=lse,
-                                 accumulate=True)
+                                 accumulate=True, **_capped(run.softcap))
             received = handle.wait()
             for peer, secs in prog.exchanges["fwd"][j].recvs.items():
                 offset = 0
@@ -395,9 +396,11 @@ class _DistributedAttention(torch.autograd.Function):
                                    name=f"bwd exchange {j}/{S}")
             if j < S and prog.stages_bwd[j].q_tiles is not None:
                 st = prog.stages_bwd[j]
-                dq_s = be.attention_bwd_dq(qb, kb, vb, dout_b, lse_b, delta_b, st.q_tiles, kmask, scale)
+                dq_s = be.attention_bwd_dq(qb, kb, vb, dout_b, lse_b, delta_b, st.q_tiles, kmask, scale,
+                                           **_capped(run.softcap))
                 dq.index_add_(0, st.q_rows, dq_s[st.q_rows].to(torch.float32))
-                dk_s, dv_s = be.attention_bwd_dkdv(qb, kb, vb, dout_b, lse_b, delta_b, st.kv_tiles, kmask, scale)
+                dk_s, dv_s = be.attention_bwd_dkdv(qb, kb, vb, dout_b, lse_b, delta_b, st.kv_tiles, kmask, scale,
+                                                   **_capped(run.softcap))
                 dk.index_add_(0, st.kv_rows, dk_s[st.kv_rows].to(torch.float32))
                 dv.index_add_(0, st.kv_rows, dv_s[st.kv_rows].to(torch.float32))
             received = handle.wait()
@@ -424,6 +427,7 @@ class _Run:
     scale: float
     group: object
     method: str
+    softcap: float | None = None
 
 
 # ----------------------------------------------------------------------------- validation
@@ -539,7 +543,7 @@ def _resolve_backend(backend):
 
 # ----------------------------------------------------------------------------- public API
 def distributed_block_attention(q, k, v, mask_spec, plan, *, softmax_scale=None, return_lse=False, backend=None,
-                                group=None, comm_method: str = "p2p"):
+                                group=None, comm_method: str = "p2p", softcap=None):
     """Masked attention of this rank's tokens under a distributed `plan`, differentiable w.r.t. q, k, v.
 
     q ``[n, Hq, D]``, k/v ``[n, Hkv, D]`` hold this rank's tokens in ``plan.local_tokens(rank)`` order
@@ -547,6 +551,7 @@ def distributed_block_attention(q, k, v, mask_spec, plan, *, softmax_scale=None,
     `return_lse`). Every rank of `group` (default: the world) must call it with the same plan and mask.
     `backend`: "triton", "torch" or a backend object (default per blockattn.backend: Triton on CUDA and
     under TRITON_INTERPRET=1). `comm_method`: "p2p" (batch_isend_irecv) or "a2a" (all_to_all_single).
+    `softcap`: logit soft-capping, as block_attention's.
     """
     group = group if group is not None else comms.get_group()
     me = dist.get_rank(group)  # (the group's size is checked against the plan by check_plan_agreement)
@@ -556,6 +561,7 @@ def distributed_block_attention(q, k, v, mask_spec, plan, *, softmax_scale=None,
     if comm_method not in comms.COMM_METHODS:
         raise ValueError(f"comm_method must be one of {comms.COMM_METHODS}, got {comm_method!r}")
     check_softmax_scale(softmax_scale)
+    check_softcap(softcap)
     for name in ("total_len", "signature", "block_mask"):
         if not hasattr(mask_spec, name):
             raise TypeError(f"mask_spec must be a blockattn.MaskSpec (missing .{name}), got {type(mask_spec).__name__}")
@@ -571,7 +577,7 @@ def distributed_block_attention(q, k, v, mask_spec, plan, *, softmax_scale=None,
     kmask = _kernel_mask(bm, q.device)
     prog = rank_program(plan, me, bm, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    run = _Run(prog, be, kmask, scale, group, comm_method)
+    run = _Run(prog, be, kmask, scale, group, comm_method, None if softcap is None else float(softcap))
     out, lse = _DistributedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), run)
     return (out, lse) if return_lse else out
 

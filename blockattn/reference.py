@@ -19,6 +19,7 @@ def attention(
     *,
     dtype: torch.dtype = torch.float64,
     sinks: Optional[torch.Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked attention in ``dtype`` (float64 by default), dense, THD layout.
 
@@ -46,6 +47,8 @@ def attention(
     vf = v.to(dtype).transpose(0, 1).repeat_interleave(group, dim=0)
     allowed = mask_spec.to_dense().to(q.device)
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:  # (the sink column joins the normalizer only: its value is zero)
         column = sinks.to(dtype)[:, None, None].expand(Hq, T, 1)

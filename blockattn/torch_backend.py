@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor
 
+from blockattn.kernels.launch import check_softcap
 from blockattn.kernels.tiles import KernelMask, TileList
 
 __all__ = ["attention_fwd", "merge_partials", "attention_bwd_preprocess", "attention_bwd_dq",
@@ -20,6 +21,12 @@ __all__ = ["attention_fwd", "merge_partials", "attention_bwd_preprocess", "atten
 
 def _scale(scale, D):
     return 1.0 / math.sqrt(D) if scale is None else float(scale)
+
+
+def _scores(qf: Tensor, kf: Tensor, scale: float, softcap) -> Tensor:
+    """Scores [H, M, N] of fp32 q [H, M, D] and k [H, N, D]: scale * q.k, capped at softcap * tanh(. / softcap)."""
+    s = torch.matmul(qf, kf.transpose(1, 2)) * scale
+    return s if softcap is None else softcap * torch.tanh(s / softcap)
 
 
 def _block_rows(row: int, glob: int, B: int, T: int) -> tuple[Tensor, Tensor]:
@@ -98,12 +105,13 @@ def _group(t: Tensor, G: int) -> Tensor:
 
 
 def attention_fwd(q, k, v, tiles: TileList, mask: KernelMask, scale=None, *, out=None, lse=None,
-                  accumulate=False):
+                  accumulate=False, softcap=None):
     """Torch twin of ``blockattn.kernels.attention_fwd`` (same arguments and results)."""
     Rq, Hq, D = q.shape
     G = Hq // k.shape[1]
     B, T = mask.block_size, mask.total_len
     scale = _scale(scale, D)
+    check_softcap(softcap)
     if accumulate and (out is None or lse is None):
         raise ValueError("accumulate=True needs the running state: pass out= and lse=")
     if out is None:
@@ -118,8 +126,7 @@ def attention_fwd(q, k, v, tiles: TileList, mask: KernelMask, scale=None, *, out
         k_rows, k_glob, kinds = lists.partners(w, B, T)
         allowed = _allowed(mask, q_glob, k_glob, kinds, q_major=True).to(q.device)
         qf = q[q_rows].float().transpose(0, 1)                     # [Hq, M, D]
-        s = torch.matmul(qf, _group(k[k_rows], G).transpose(1, 2)) * scale
-        s = s.masked_fill(~allowed, float("-inf"))
+        s = _scores(qf, _group(k[k_rows], G), scale, softcap).masked_fill(~allowed, float("-inf"))
         l_new = torch.logsumexp(s, dim=-1) if k_rows.numel() else torch.full(qf.shape[:2], float("-inf"))
         p = torch.exp(s - torch.where(torch.isinf(l_new), 0.0, l_new)[..., None])
         o_new = torch.matmul(p, _group(v[k_rows], G))              # [Hq, M, D]
@@ -160,21 +167,24 @@ def attention_bwd_preprocess(out, dout):
     return (out.float() * dout.float()).sum(-1).t().contiguous()
 
 
-def _p_and_ds(qf, kf, vf, dof, lse_rows, delta_rows, allowed, scale):
-    """P and dS of one (q rows x k rows) group, per head: [H, M, N]."""
-    s = torch.matmul(qf, kf.transpose(1, 2)) * scale
+def _p_and_ds(qf, kf, vf, dof, lse_rows, delta_rows, allowed, scale, softcap):
+    """P and dS of one (q rows x k rows) group, per head: [H, M, N]; dS of the scaled scores before any cap."""
+    s = _scores(qf, kf, scale, softcap)
     lse_safe = torch.where(torch.isinf(lse_rows), float("inf"), lse_rows)
     p = torch.where(allowed, torch.exp(s - lse_safe[..., None]), 0.0)
     dp = torch.matmul(dof, vf.transpose(1, 2))
-    return p, p * (dp - delta_rows[..., None])
+    ds = p * (dp - delta_rows[..., None])
+    return p, ds if softcap is None else ds * (1.0 - (s / softcap) ** 2)
 
 
-def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMask, scale=None, *, out=None):
+def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMask, scale=None, *, out=None,
+                     softcap=None):
     """Torch twin of ``blockattn.kernels.attention_bwd_dq``: fp32 dq [Rq, Hq, D]."""
     Rq, Hq, D = q.shape
     G = Hq // k.shape[1]
     B, T = mask.block_size, mask.total_len
     scale = _scale(scale, D)
+    check_softcap(softcap)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if out is None else out
     lists = _Lists(tiles)
     for w in range(len(lists.work_row)):
@@ -188,19 +198,21 @@ def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMas
         allowed = _allowed(mask, q_glob, k_glob, kinds, q_major=True).to(q.device)
         kf = _group(k[k_rows], G)
         _, ds = _p_and_ds(q[q_rows].float().transpose(0, 1), kf, _group(v[k_rows], G),
-                          dout[q_rows].float().transpose(0, 1), lse[:, q_rows], delta[:, q_rows], allowed, scale)
+                          dout[q_rows].float().transpose(0, 1), lse[:, q_rows], delta[:, q_rows], allowed, scale,
+                          softcap)
         dq[q_rows] = (torch.matmul(ds, kf) * scale).transpose(0, 1)
     return dq
 
 
 def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: KernelMask, scale=None, *,
-                       out=None):
+                       out=None, softcap=None):
     """Torch twin of ``blockattn.kernels.attention_bwd_dkdv``: fp32 (dk, dv) [Rk, Hkv, D]."""
     Rq, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     B, T = mask.block_size, mask.total_len
     scale = _scale(scale, D)
+    check_softcap(softcap)
     if out is None:
         out = (torch.zeros(k.shape, dtype=torch.float32, device=q.device),
                torch.zeros(k.shape, dtype=torch.float32, device=q.device))
@@ -219,7 +231,7 @@ def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: Kerne
         qf = q[q_rows].float().transpose(0, 1)
         dof = dout[q_rows].float().transpose(0, 1)
         p, ds = _p_and_ds(qf, _group(k[k_rows], G), _group(v[k_rows], G), dof,
-                          lse[:, q_rows], delta[:, q_rows], allowed, scale)
+                          lse[:, q_rows], delta[:, q_rows], allowed, scale, softcap)
         dv_h = torch.matmul(p.transpose(1, 2), dof)                 # [Hq, N, D]
         dk_h = torch.matmul(ds.transpose(1, 2), qf) * scale
         dk[k_rows] = dk_h.view(Hkv, G, -1, D).sum(1).transpose(0, 1)

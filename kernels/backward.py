@@ -3,7 +3,8 @@
 Notation (docs/design.md): T total tokens, B block size, GROUP = Hq // Hkv. Scores in the exp2 domain:
 s2 = qk_scale * q.k with qk_scale = scale * log2 e, lse2 = LSE * log2 e, so P = exp2(s2 - lse2).
 delta = rowsum(O * dO); dS = P * (dP - delta) with dP = dO.V^T; dQ = scale * dS.K, dK = scale * dS^T.Q,
-dV = P^T.dO. Rows with LSE = -inf (no unmasked key) use lse2 = +inf so that P = 0 (no NaN).
+dV = P^T.dO. SOFTCAP (kernels/mask_tile.py): s2 = cap * tanh(qk_scale * q.k), and dS is taken through
+the tanh (times 1 - t^2) before it meets K or Q. Rows with LSE = -inf (no unmasked key) use lse2 = +inf so that P = 0 (no NaN).
 dK/dV programs own one kv head and loop over its GROUP q heads: deterministic, no atomics.
 All gradients are written in fp32; rows past T are neither read nor written, nor are the columns of
 the BLOCK_D-wide head-dim tiles past HEAD_DIM (kernels/tile_io.py: they read as 0).
@@ -12,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .tile_io import load_partner, load_rows, locate_work_rows, row_col_mask
-from .mask_tile import LOG2E, bits_mask, interval_mask, interval_mask_t, load_intervals, mma
+from .mask_tile import LOG2E, bits_mask, interval_mask, interval_mask_t, load_intervals, mma, scores2, through_cap
 
 
 @triton.jit
@@ -46,10 +47,10 @@ def attention_bwd_dq_kernel(
     Intervals, Bits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lh,
-    T, num_heads, qk_scale, sm_scale,
+    T, num_heads, qk_scale, sm_scale, cap,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr,
-    HAS_BITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BITS: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
@@ -77,9 +78,10 @@ def attention_bwd_dq_kernel(
             K, V, FullGlob, FullRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T,
             HEAD_DIM, EVEN_D,
         )
-        p = tl.math.exp2(mma(q, tl.trans(k), None, DOT_PREC) * qk_scale - lse2[:, None])
+        s2 = scores2(mma(q, tl.trans(k), None, DOT_PREC), qk_scale, cap, SOFTCAP)
+        p = tl.math.exp2(s2 - lse2[:, None])
         dp = mma(do, tl.trans(v), None, DOT_PREC)
-        ds = p * (dp - delta[:, None])
+        ds = through_cap(p * (dp - delta[:, None]), s2, cap, SOFTCAP)
         dq = mma(ds.to(k.dtype), k, dq, DOT_PREC)
 
     if HAS_INTERVALS:
@@ -100,10 +102,10 @@ def attention_bwd_dq_kernel(
                 keep = tl.where(tile_bits >= 0, keep, interval_mask(lo1, hi1, lo2, hi2, k_glob))
         else:
             keep = interval_mask(lo1, hi1, lo2, hi2, k_glob)
-        s2 = mma(q, tl.trans(k), None, DOT_PREC) * qk_scale
+        s2 = scores2(mma(q, tl.trans(k), None, DOT_PREC), qk_scale, cap, SOFTCAP)
         p = tl.where(keep, tl.math.exp2(s2 - lse2[:, None]), 0.0)
         dp = mma(do, tl.trans(v), None, DOT_PREC)
-        ds = p * (dp - delta[:, None])
+        ds = through_cap(p * (dp - delta[:, None]), s2, cap, SOFTCAP)
         dq = mma(ds.to(k.dtype), k, dq, DOT_PREC)
 
     dq_ptrs = DQ + q_row0 * stride_dqt + hq * stride_dqh + (offs_m[:, None] * stride_dqt + offs_d[None, :])
@@ -117,10 +119,10 @@ def attention_bwd_dkdv_kernel(
     Intervals, Bits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-    T, num_heads, qk_scale, sm_scale,
+    T, num_heads, qk_scale, sm_scale, cap,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr,
-    HAS_BITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BITS: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # here the work block is a kv-block (BLOCK_N rows per program) and partners are q-blocks (BLOCK_M)
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
@@ -161,10 +163,11 @@ def attention_bwd_dkdv_kernel(
             )
             lse2 = _load_lse2(lse_h, q_row0, offs_m, q_valid)
             delta = tl.load(delta_h + q_row0 + offs_m, mask=q_valid, other=0.0)
-            pt = tl.math.exp2(mma(k, tl.trans(q), None, DOT_PREC) * qk_scale - lse2[None, :])
+            s2 = scores2(mma(k, tl.trans(q), None, DOT_PREC), qk_scale, cap, SOFTCAP)
+            pt = tl.math.exp2(s2 - lse2[None, :])
             dv = mma(pt.to(do.dtype), do, dv, DOT_PREC)
             dpt = mma(v, tl.trans(do), None, DOT_PREC)
-            dst = pt * (dpt - delta[None, :])
+            dst = through_cap(pt * (dpt - delta[None, :]), s2, cap, SOFTCAP)
             dk = mma(dst.to(q.dtype), q, dk, DOT_PREC)
         for it in range(part_start * M_SPLIT, part_end * M_SPLIT):
             j = it // M_SPLIT
@@ -185,11 +188,11 @@ def attention_bwd_dkdv_kernel(
             else:
                 lo1, hi1, lo2, hi2 = load_intervals(Intervals, T, q_glob, q_valid)
                 keep = interval_mask_t(k_glob, lo1, hi1, lo2, hi2)
-            s2 = mma(k, tl.trans(q), None, DOT_PREC) * qk_scale
+            s2 = scores2(mma(k, tl.trans(q), None, DOT_PREC), qk_scale, cap, SOFTCAP)
             pt = tl.where(keep, tl.math.exp2(s2 - lse2[None, :]), 0.0)
             dv = mma(pt.to(do.dtype), do, dv, DOT_PREC)
             dpt = mma(v, tl.trans(do), None, DOT_PREC)
-            dst = pt * (dpt - delta[None, :])
+            dst = through_cap(pt * (dpt - delta[None, :]), s2, cap, SOFTCAP)
             dk = mma(dst.to(q.dtype), q, dk, DOT_PREC)
 
     dk_ptrs = DK + kv_row0 * stride_dkt + hk * stride_dkh + (offs_n[:, None] * stride_dkt + offs_d[None, :])

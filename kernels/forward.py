@@ -6,14 +6,15 @@ walked in BLOCK_N sub-tiles: FULL tiles first with no mask arithmetic, then PART
 mask (intervals or per-tile bits). ``row`` = buffer row, ``glob`` = global token index. Head dims are
 tiles of BLOCK_D >= HEAD_DIM columns (kernels/tile_io.py): the padding reads as 0 and is not stored.
 Programs are numbered (work tile, head) with the head fastest.
-State per row: m_i running max of s2 = qk_scale * q.k (qk_scale = scale * log2 e), l_i running sum of
+State per row: m_i running max of s2 = qk_scale * q.k (qk_scale = scale * log2 e; SOFTCAP: s2 = cap *
+tanh(qk_scale * q.k), kernels/mask_tile.py), l_i running sum of
 exp2(s2 - m_i), acc the unnormalized output. Rows with no unmasked key end with O = 0, LSE = -inf.
 ACCUMULATE merges the result with the (O, LSE) already in Out/Lse, after the tile loops.
 """
 import triton
 import triton.language as tl
 
-from .mask_tile import LN2, LOG2E, bits_mask, interval_mask, load_intervals, mma, softmax_step
+from .mask_tile import LN2, LOG2E, bits_mask, interval_mask, load_intervals, mma, scores2, softmax_step
 from .tile_io import load_partner, load_rows, locate_work_rows, row_col_mask
 
 
@@ -23,10 +24,10 @@ def attention_fwd_kernel(
     WorkOrder, WorkRow, WorkGlob, FullPtr, FullRow, FullGlob, PartPtr, PartRow, PartGlob, PartBits,
     Intervals, Bits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-    T, num_heads, qk_scale,
+    T, num_heads, qk_scale, cap,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr,
-    HAS_BITS: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BITS: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
@@ -54,7 +55,7 @@ def attention_fwd_kernel(
             K, V, FullGlob, FullRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T,
             HEAD_DIM, EVEN_D,
         )
-        s2 = mma(q, tl.trans(k), None, DOT_PREC) * qk_scale
+        s2 = scores2(mma(q, tl.trans(k), None, DOT_PREC), qk_scale, cap, SOFTCAP)
         if not EVEN_T:
             s2 = tl.where(k_valid[None, :], s2, float("-inf"))
         acc, m_i, l_i = softmax_step(acc, m_i, l_i, s2, v, not EVEN_T, DOT_PREC)
@@ -72,7 +73,7 @@ def attention_fwd_kernel(
                 K, V, PartGlob, PartRow, j, n0, offs_n, stride_kt, hk * stride_kh, stride_vt, hk * stride_vh, offs_d, T, EVEN_T,
                 HEAD_DIM, EVEN_D,
             )
-            s2 = mma(q, tl.trans(k), None, DOT_PREC) * qk_scale
+            s2 = scores2(mma(q, tl.trans(k), None, DOT_PREC), qk_scale, cap, SOFTCAP)
             if HAS_BITS:
                 tile_bits = tl.load(PartBits + j)
                 keep = bits_mask(Bits, tile_bits, m_rel, n0 + offs_n, BLOCK, False)

@@ -19,7 +19,7 @@ from .forward import attention_fwd_kernel
 from .merge import merge_partials_kernel
 from .tiles import KernelMask, TileList
 
-__all__ = ["KernelConfig", "kernel_config", "block_d", "MAX_HEAD_DIM", "interpreted", "attention_fwd",
+__all__ = ["KernelConfig", "kernel_config", "block_d", "MAX_HEAD_DIM", "check_softcap", "interpreted", "attention_fwd",
            "merge_partials", "attention_bwd_preprocess", "attention_bwd_dq", "attention_bwd_dkdv"]
 
 LOG2E = 1.4426950408889634
@@ -164,6 +164,24 @@ def _scale(scale, D):
     return 1.0 / math.sqrt(D) if scale is None else float(scale)
 
 
+def check_softcap(softcap) -> None:
+    """ValueError unless ``softcap`` is None (no capping) or a positive finite number (Gemma 2: 50.0)."""
+    if softcap is None:
+        return
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+            math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a positive finite number (scores become "
+                         f"softcap * tanh(score / softcap), e.g. 50.0), got {softcap!r}")
+
+
+def _score_args(scale: float, softcap) -> tuple:
+    """(qk_scale, cap, SOFTCAP) of the kernels' exp2-domain scores (kernels/mask_tile.py)."""
+    check_softcap(softcap)
+    if softcap is None:
+        return scale * LOG2E, 1.0, False
+    return scale / softcap, softcap * LOG2E, True
+
+
 def _dot_precision(dtype):
     # fp32 inputs follow torch's matmul setting: TF32 tensor cores only where torch allows them
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
@@ -182,11 +200,12 @@ def _check_lse(name, t, H, R, device):
 # entry points
 # --------------------------------------------------------------------------------------------
 def attention_fwd(q, k, v, tiles: TileList, mask: KernelMask, scale=None, *, out=None, lse=None,
-                  accumulate=False, config: KernelConfig | None = None):
+                  accumulate=False, config: KernelConfig | None = None, softcap=None):
     """Masked attention of the work q-blocks of ``tiles``; returns (out [Rq, Hq, D], lse [Hq, Rq] fp32).
 
     Only rows of work blocks are written; fresh ``out``/``lse`` start as the empty partial (0, -inf).
     ``accumulate=True`` resumes from the given (out, lse) (fused merge of a partial over other keys).
+    ``softcap``: scores ``softcap * tanh(scale * q.k / softcap)`` (None: ``scale * q.k``).
     """
     q, k, v = _check_qkv(q, k, v)
     _check_tiles(tiles, mask, q.device)
@@ -206,16 +225,16 @@ def attention_fwd(q, k, v, tiles: TileList, mask: KernelMask, scale=None, *, out
     B, T = mask.block_size, mask.total_len
     cfg = config or kernel_config("fwd", B, block_d(D), q.device)
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
-    scale = _scale(scale, D)
+    qk_scale, cap, capped = _score_args(_scale(scale, D), softcap)
     grid = (tiles.num_work * (B // cfg.block_m) * Hq,)
     attention_fwd_kernel[grid](
         q, k, v, out, lse, *_tile_args(tiles), iv, bits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        T, Hq, scale * LOG2E,
+        T, Hq, qk_scale, cap,
         GROUP=Hq // k.shape[1], BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, BLOCK_D=block_d(D),
         EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, ACCUMULATE=bool(accumulate),
-        DOT_PREC=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_PREC=_dot_precision(q.dtype), SOFTCAP=capped, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, lse
 
 
@@ -291,9 +310,9 @@ def _grad_buffer(name, given, shape, device):
 
 
 def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMask, scale=None, *,
-                     out=None, config: KernelConfig | None = None):
+                     out=None, config: KernelConfig | None = None, softcap=None):
     """dQ (fp32 [Rq, Hq, D]) over a q-major tile list; only rows of work blocks are written
-    (into ``out`` when given, else a fresh zero tensor)."""
+    (into ``out`` when given, else a fresh zero tensor). ``softcap`` as the forward's."""
     q, k, v, dout = _bwd_common(q, k, v, dout, lse, delta, tiles, mask)
     Rq, Hq, D = q.shape
     dq = _grad_buffer("out", out, q.shape, q.device)
@@ -303,21 +322,23 @@ def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMas
     cfg = config or kernel_config("dq", B, block_d(D), q.device)
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     scale = _scale(scale, D)
+    qk_scale, cap, capped = _score_args(scale, softcap)
     attention_bwd_dq_kernel[(tiles.num_work * (B // cfg.block_m) * Hq,)](
         q, k, v, dout, lse, delta, dq, *_tile_args(tiles), iv, bits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-        T, Hq, scale * LOG2E, scale,
+        T, Hq, qk_scale, scale, cap,
         GROUP=Hq // k.shape[1], BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, BLOCK_D=block_d(D),
         EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SOFTCAP=capped, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dq
 
 
 def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: KernelMask, scale=None, *,
-                       out=None, config: KernelConfig | None = None):
+                       out=None, config: KernelConfig | None = None, softcap=None):
     """(dK, dV) (fp32 [Rk, Hkv, D]) over a kv-major tile list; GQA heads reduced in-program.
-    Only rows of work blocks are written (into ``out = (dk, dv)`` when given, else fresh zeros)."""
+    Only rows of work blocks are written (into ``out = (dk, dv)`` when given, else fresh zeros).
+    ``softcap`` as the forward's."""
     q, k, v, dout = _bwd_common(q, k, v, dout, lse, delta, tiles_t, mask)
     Hq, D = q.shape[1], q.shape[2]
     Hkv = k.shape[1]
@@ -329,14 +350,15 @@ def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: Kerne
     cfg = config or kernel_config("dkdv", B, block_d(D), q.device)
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     scale = _scale(scale, D)
+    qk_scale, cap, capped = _score_args(scale, softcap)
     attention_bwd_dkdv_kernel[(tiles_t.num_work * (B // cfg.block_n) * Hkv,)](
         q, k, v, dout, lse, delta, dk, dv, *_tile_args(tiles_t), iv, bits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-        T, Hkv, scale * LOG2E, scale,
+        T, Hkv, qk_scale, scale, cap,
         GROUP=Hq // Hkv, BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, BLOCK_D=block_d(D),
         EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC=_dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SOFTCAP=capped, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dk, dv
 
 

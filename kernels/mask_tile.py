@@ -4,7 +4,10 @@ Notation (docs/design.md): T total tokens, B block size (= KernelMask.block_size
 token indices of a tile's rows / columns, ``intervals`` int32 [4, T] (lo1, hi1, lo2, hi2 per query:
 q attends k iff lo1<=k<hi1 or lo2<=k<hi2), ``bits`` uint8 [n_partial, B, B] (q-major tile bitmask),
 ``tile_bits`` index of a tile's bitmask (-1: use intervals). Scores are kept in the exp2 domain:
-``s2 = scale * log2(e) * q.k``; LSE is stored in natural log.
+``s2 = scale * log2(e) * q.k``; LSE is stored in natural log. With logit soft-capping (SOFTCAP, Gemma 2)
+the score is ``c * tanh(scale * q.k / c)``: the kernels get ``qk_scale = scale / c`` and
+``cap = c * log2(e)``, so ``s2 = cap * tanh(qk_scale * q.k)``, and ``t = s2 / cap`` is the tanh again in
+the backward, where dS picks up ``d s / d (scale * q.k) = 1 - t^2``.
 """
 import triton
 import triton.language as tl
@@ -63,6 +66,39 @@ def bits_mask(Bits, tile_bits, q_rel, k_rel, BLOCK: tl.constexpr, KV_MAJOR: tl.c
     else:
         present = (q_rel[:, None] * 0 + k_rel[None, :] * 0 + tile_bits) >= 0
     return tl.load(ptrs, mask=present, other=0) != 0
+
+
+@triton.jit
+def tanh(x):
+    """tanh(x) to a few fp32 ulp: (1 - e) / (1 + e) with e = exp(-2|x|) (no overflow), and near 0, where
+    1 - e cancels (a cap far above the scores would lose their low bits), x - x^3/3 + 2x^5/15."""
+    # (Triton has no tanh of its own that also runs in the CPU interpreter; libdevice's does not)
+    ax = tl.abs(x)
+    e = tl.math.exp2(ax * (-2.0 * LOG2E))
+    far = (1.0 - e) / (1.0 + e)
+    small = tl.minimum(ax, 0.1)  # (the branch not taken stays finite)
+    x2 = small * small
+    near = small * (1.0 - x2 * (1.0 / 3.0) * (1.0 - x2 * 0.4))
+    return tl.where(x < 0, -1.0, 1.0) * tl.where(ax < 0.1, near, far)
+
+
+@triton.jit
+def scores2(qk, qk_scale, cap, SOFTCAP: tl.constexpr):
+    """exp2-domain scores of a tile of raw q.k products (module docstring)."""
+    if SOFTCAP:
+        s2 = cap * tanh(qk * qk_scale)
+    else:
+        s2 = qk * qk_scale
+    return s2
+
+
+@triton.jit
+def through_cap(ds, s2, cap, SOFTCAP: tl.constexpr):
+    """dS of the capped scores taken back to dS of the plain scaled scores: times 1 - tanh^2."""
+    if SOFTCAP:
+        t = s2 * (1.0 / cap)  # (one scalar division, not one per score)
+        ds = ds * (1.0 - t * t)
+    return ds
 
 
 @triton.jit

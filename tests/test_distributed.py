@@ -27,12 +27,12 @@ def _inputs(T, Hq, Hkv, D, dtype, seed=0):
     return q, k, v, dout
 
 
-def _reference(spec, q, k, v, dout, dtype):
+def _reference(spec, q, k, v, dout, dtype, softcap=None):
     """(out, lse, dq, dk, dv) of the dense reference computed in `dtype` (fully masked rows: grads 0)."""
     from blockattn.reference import attention
 
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = attention(*leaves, spec, dtype=dtype)
+    out, lse = attention(*leaves, spec, dtype=dtype, softcap=softcap)
     out.backward(dout.to(dtype))
     return [out.detach(), lse.detach()] + [torch.nan_to_num(t.grad) for t in leaves]
 
@@ -202,9 +202,11 @@ def transit_plan(spec, world, *, ranks_per_node, num_q_heads, num_kv_heads, head
 
 
 def run_case(rank, world, spec, *, strategy="dcp", Hq=4, Hkv=2, D=16, dtype=torch.float32, block_size=16,
-             backend="torch", comm_method="p2p", lse_grad=False, seed=0, plan=None, grad_comm_dtype=torch.float32):
+             backend="torch", comm_method="p2p", lse_grad=False, seed=0, plan=None, grad_comm_dtype=torch.float32,
+             softcap=None):
     """Run one plan fwd+bwd on this rank and check it; returns this rank's output rows.
-    strategy "random<k>": a random valid placement with seed k (see random_plan); ``plan``: run this one."""
+    strategy "random<k>": a random valid placement with seed k (see random_plan); ``plan``: run this one;
+    ``softcap``: logit soft-capping (inputs scaled up so that the cap bends most scores)."""
     from blockattn.comms import count_bytes
     from blockattn.distributed import distributed_block_attention
     from blockattn.planner import make_plan
@@ -222,12 +224,14 @@ def run_case(rank, world, spec, *, strategy="dcp", Hq=4, Hkv=2, D=16, dtype=torc
         plan = make_plan(spec, world, strategy=strategy, **kw)
     T = spec.total_len
     q, k, v, dout = _inputs(T, Hq, Hkv, D, dtype, seed)
+    if softcap is not None:
+        q, k = (t * 2 for t in (q, k))
     dlse = torch.randn(Hq, T, generator=torch.Generator().manual_seed(seed + 1)) if lse_grad else None
     local = plan.local_tokens(rank)
     ql, kl, vl = (plan.shard(t, rank).requires_grad_() for t in (q, k, v))
     with count_bytes() as sent_fwd:
         out, lse = distributed_block_attention(ql, kl, vl, spec, plan, return_lse=True, backend=backend,
-                                               comm_method=comm_method)
+                                               comm_method=comm_method, softcap=softcap)
     loss = (out.float() * dout[local].float()).sum()
     if lse_grad:
         loss = loss + (lse * dlse[:, local]).sum()
@@ -241,9 +245,9 @@ def run_case(rank, world, spec, *, strategy="dcp", Hq=4, Hkv=2, D=16, dtype=torc
             assert measured == planned, f"{where}: {direction} bytes {what} {measured} != plan.stats() {planned}"
 
     if lse_grad:  # fold the lse term into the reference by differentiating both outputs
-        refs = [_reference_with_lse(spec, q, k, v, dout, dlse, dt) for dt in (torch.float64, dtype)]
+        refs = [_reference_with_lse(spec, q, k, v, dout, dlse, dt, softcap) for dt in (torch.float64, dtype)]
     else:
-        refs = [_reference(spec, q, k, v, dout, dt) for dt in (torch.float64, dtype)]
+        refs = [_reference(spec, q, k, v, dout, dt, softcap) for dt in (torch.float64, dtype)]
     for name, got, r64, reager in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, ql.grad, kl.grad, vl.grad), *refs):
         try:
             _assert_close(name, got.detach(), r64, reager, dtype, rows=local)
@@ -252,11 +256,11 @@ def run_case(rank, world, spec, *, strategy="dcp", Hq=4, Hkv=2, D=16, dtype=torc
     return out.detach()
 
 
-def _reference_with_lse(spec, q, k, v, dout, dlse, dtype):
+def _reference_with_lse(spec, q, k, v, dout, dlse, dtype, softcap=None):
     from blockattn.reference import attention
 
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = attention(*leaves, spec, dtype=dtype)
+    out, lse = attention(*leaves, spec, dtype=dtype, softcap=softcap)
     ((out * dout.to(dtype)).sum() + (lse * dlse.to(lse.dtype)).sum()).backward()
     return [out.detach(), lse.detach()] + [t.grad for t in leaves]
 
@@ -318,6 +322,9 @@ def _every_mask_world2(rank, world):
     # on a plan that moves q-blocks and partials both ways
     run_case(rank, world, MaskSpec.documents([37, 1, 60, 41]), Hq=4, Hkv=1, D=24, backend="triton",
              strategy="random1")
+    # logit soft-capping through the fused accumulate, the merges and the backward's partials (Triton)
+    run_case(rank, world, MaskSpec.lambda_mask(90, 8, 30), backend="triton", strategy="random12", softcap=3.0,
+             lse_grad=True)
 
 
 def _masks_world3(rank, world):
@@ -327,6 +334,7 @@ def _masks_world3(rank, world):
     run_case(rank, world, MaskSpec.documents([90, 71, 40]) & MaskSpec.sliding_window(201, 25))
     run_case(rank, world, MaskSpec.causal(181), dtype=torch.bfloat16, Hq=4, Hkv=4, strategy="random2")
     run_case(rank, world, MaskSpec.lambda_mask(170, 16, 48), lse_grad=True, strategy="random3")
+    run_case(rank, world, MaskSpec.documents([1, 45, 3, 80, 1, 67]), strategy="dcp", softcap=3.0, dtype=torch.bfloat16)
     bits_mask = MaskSpec.from_mask_mod(lambda qi, ki: (ki <= qi) & ((qi // 7 + ki // 5) % 4 != 1), 163)
     run_case(rank, world, bits_mask, strategy="random4", Hq=6, Hkv=2)
     run_case(rank, world, MaskSpec.causal(120), strategy="random9-empty1")  # rank 1 holds no token
