@@ -184,17 +184,19 @@ def main(argv=None):
     if tool is None:
         sys.exit("kernel_report: cuobjdump not found (expected in triton/backends/nvidia/bin)")
     rows = []
+    # every configuration in every mask variant: a spill can hide in any of them (D=96 spilled on
+    # bitmask tiles alone, D=256 on ragged ones)
     variants = {"intervals": dict(has_iv=True, has_bits=False), "bits": dict(has_iv=False, has_bits=True),
                 # T not a multiple of the block (masked loads) and, for the forward, accumulate=True
                 "ragged": dict(has_iv=True, has_bits=False, even=False, accumulate=True),
-                # logit soft-capping (kernels/mask_tile.py tanh): one more exp2 per score
-                "softcap": dict(has_iv=True, has_bits=False, softcap=True)}
+                # logit soft-capping (kernels/mask_tile.py tanh), its own compiled variant and tiles
+                "softcap": dict(has_iv=True, has_bits=False, softcap=True),
+                "softcap-bits": dict(has_iv=False, has_bits=True, softcap=True),
+                "softcap-ragged": dict(has_iv=True, has_bits=False, even=False, accumulate=True, softcap=True)}
     for kind, dtype, D, B in configs(args.quick):
-        cfg = kernel_config(kind, B, block_d(D), torch.device("cuda"))
-        main_cfg = (dtype, D, B) == ("bf16", 128, 128)
         for variant, kw in variants.items():
-            if variant != "intervals" and not main_cfg:
-                continue
+            cfg = kernel_config(kind, B, block_d(D), torch.device("cuda"), even_d=D == block_d(D),
+                                softcap=kw.get("softcap", False))
             kw = dict(kw)
             if kind != "fwd":
                 kw.pop("accumulate", None)

@@ -49,23 +49,32 @@ def interpreted() -> bool:
     return isinstance(attention_fwd_kernel, InterpretedFunction)
 
 
-def kernel_config(kind: str, block: int, head_dim: int, device: torch.device) -> KernelConfig:
-    """Default tiles for ``kind`` in {"fwd", "dq", "dkdv"}; ``head_dim`` is the tile width ``block_d(D)``.
+def kernel_config(kind: str, block: int, head_dim: int, device: torch.device, *, even_d: bool = True,
+                  softcap: bool = False) -> KernelConfig:
+    """Default tiles for ``kind`` in {"fwd", "dq", "dkdv"}; ``head_dim`` is the tile width ``block_d(D)``,
+    ``even_d`` whether D fills it (no column masks), ``softcap`` the capped-scores variant.
 
     The interpreter pays per sub-tile in Python, so it takes whole blocks. On GPUs the choice is the
     fastest-looking configuration with zero spills in the sm_90a static report (bench/kernel_report.py,
-    bf16, block 128; registers in brackets):
-    forward 128 x 128, 8 warps, 3 stages (D=128: 250 regs; 128 x 64 at D=256: 250);
+    bf16, block 128, every mask variant: intervals, bits, both, a ragged last block, the fused
+    accumulate; registers in brackets):
+    forward 128 x 128, 8 warps, 3 stages (D=128: 250-255 regs); 128 x 64 where the column masks of a
+    padded head dim (D=80, 96: 214) or the capped scores (D=128: 218) would spill at 128 x 128; at
+    D=256 128 x 32, 2 stages (128 x 64 spilled up to 35 registers on ragged or bitmask tiles; 128 x 32
+    leaves 5-7 in the fused accumulate's epilogue alone, which every shape tried spills);
     dQ 128 q rows x 64-key sub-tiles, 8 warps (D=128: 186; 128 x 32, 1 stage at D=256: 254);
     dK/dV 128 key rows x 32-query sub-tiles at D<=64 (217), x 16 at D=128 (236; x 32 spills, and
-    64-row kv tiles would load every q tile twice), 32 x 16 at D=256 (168; every HGMMA shape spilled).
+    64-row kv tiles would load every q tile twice; 2 stages for D=80, 96: 254), 32 x 16 at D=256 (168;
+    every HGMMA shape spilled).
     """
     if device.type != "cuda":
         return KernelConfig(block, block, 4, 1)
     if kind == "fwd":
-        if head_dim <= 128:
+        if head_dim <= 64 and not softcap or head_dim == 128 and even_d and not softcap:
             return KernelConfig(min(block, 128), min(block, 128), 8, 3)
-        return KernelConfig(min(block, 128), min(block, 64), 8, 2)
+        if head_dim <= 128:
+            return KernelConfig(min(block, 128), min(block, 64), 8, 3)
+        return KernelConfig(min(block, 128), min(block, 32), 8, 2)
     if kind == "dq":
         if head_dim <= 128:
             return KernelConfig(min(block, 128), min(block, 64), 8, 3)
@@ -74,7 +83,7 @@ def kernel_config(kind: str, block: int, head_dim: int, device: torch.device) ->
         if head_dim <= 64:
             return KernelConfig(min(block, 32), min(block, 128), 8, 3)
         if head_dim <= 128:
-            return KernelConfig(min(block, 16), min(block, 128), 8, 3)
+            return KernelConfig(min(block, 16), min(block, 128), 8, 3 if even_d else 2)
         return KernelConfig(min(block, 16), min(block, 32), 8, 2)
     raise ValueError(f"unknown kernel kind {kind!r}; expected 'fwd', 'dq' or 'dkdv'")
 
@@ -223,9 +232,9 @@ def attention_fwd(q, k, v, tiles: TileList, mask: KernelMask, scale=None, *, out
     if tiles.num_work == 0:
         return out, lse
     B, T = mask.block_size, mask.total_len
-    cfg = config or kernel_config("fwd", B, block_d(D), q.device)
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     qk_scale, cap, capped = _score_args(_scale(scale, D), softcap)
+    cfg = config or kernel_config("fwd", B, block_d(D), q.device, even_d=D == block_d(D), softcap=capped)
     grid = (tiles.num_work * (B // cfg.block_m) * Hq,)
     attention_fwd_kernel[grid](
         q, k, v, out, lse, *_tile_args(tiles), iv, bits,
@@ -319,10 +328,10 @@ def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMas
     if tiles.num_work == 0:
         return dq
     B, T = mask.block_size, mask.total_len
-    cfg = config or kernel_config("dq", B, block_d(D), q.device)
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     scale = _scale(scale, D)
     qk_scale, cap, capped = _score_args(scale, softcap)
+    cfg = config or kernel_config("dq", B, block_d(D), q.device, even_d=D == block_d(D), softcap=capped)
     attention_bwd_dq_kernel[(tiles.num_work * (B // cfg.block_m) * Hq,)](
         q, k, v, dout, lse, delta, dq, *_tile_args(tiles), iv, bits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -347,10 +356,10 @@ def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: Kerne
     if tiles_t.num_work == 0:
         return dk, dv
     B, T = mask.block_size, mask.total_len
-    cfg = config or kernel_config("dkdv", B, block_d(D), q.device)
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     scale = _scale(scale, D)
     qk_scale, cap, capped = _score_args(scale, softcap)
+    cfg = config or kernel_config("dkdv", B, block_d(D), q.device, even_d=D == block_d(D), softcap=capped)
     attention_bwd_dkdv_kernel[(tiles_t.num_work * (B // cfg.block_n) * Hkv,)](
         q, k, v, dout, lse, delta, dk, dv, *_tile_args(tiles_t), iv, bits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
