@@ -14,7 +14,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from blockattn.backend import Backend, get_backend
-from blockattn.kernels.launch import check_softcap
+from blockattn.kernels.launch import check_positive, check_softcap
 from blockattn.kernels.tiles import KernelMask, TileList
 from blockattn.sinks import check_sinks, merge_sinks
 
@@ -82,11 +82,7 @@ def _validate(q, k, v, mask_spec):
 def check_softmax_scale(softmax_scale) -> None:
     """ValueError unless ``softmax_scale`` is None (1/sqrt(D)) or a positive finite number: a NaN scale
     gives NaN everywhere, and a zero one uniform attention over whatever the mask allows."""
-    if softmax_scale is None:
-        return
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
-            math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number (None: 1/sqrt(D)), got {softmax_scale!r}")
+    check_positive("softmax_scale", softmax_scale, "None: 1/sqrt(D)")
 
 
 def _check_plan_block_size(plan, block_size) -> None:
@@ -149,7 +145,7 @@ def block_attention(q, k, v, mask_spec, plan=None, *, softmax_scale=None, return
     tensor [Hq] of learned sink logits (GPT-OSS), one more key per head with a zero value in every row's
     softmax (blockattn/sinks.py); lse then includes it, and a fully masked row gives out 0, lse = sink.
     ``softcap``: None or a positive number c: scores ``c * tanh(scale * q.k / c)`` (Gemma 2's logit
-    soft-capping, c = 50), inside the kernels forward and backward.
+    soft-capping, c = 50), inside the kernels' forward and backward.
     """
     check_softmax_scale(softmax_scale)
     check_softcap(softcap)

@@ -19,8 +19,8 @@ from .forward import attention_fwd_kernel
 from .merge import merge_partials_kernel
 from .tiles import KernelMask, TileList
 
-__all__ = ["KernelConfig", "kernel_config", "block_d", "MAX_HEAD_DIM", "check_softcap", "interpreted", "attention_fwd",
-           "merge_partials", "attention_bwd_preprocess", "attention_bwd_dq", "attention_bwd_dkdv"]
+__all__ = ["KernelConfig", "kernel_config", "block_d", "MAX_HEAD_DIM", "check_positive", "check_softcap", "interpreted",
+           "attention_fwd", "merge_partials", "attention_bwd_preprocess", "attention_bwd_dq", "attention_bwd_dkdv"]
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -173,14 +173,18 @@ def _scale(scale, D):
     return 1.0 / math.sqrt(D) if scale is None else float(scale)
 
 
+def check_positive(name: str, value, meaning: str) -> None:
+    """ValueError unless ``value`` is None or a positive finite number; ``meaning`` (what None and the number
+    do) goes into the message. A NaN, zero or negative scale or cap runs, with NaN or meaningless results."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be None or a positive finite number ({meaning}), got {value!r}")
+
+
 def check_softcap(softcap) -> None:
     """ValueError unless ``softcap`` is None (no capping) or a positive finite number (Gemma 2: 50.0)."""
-    if softcap is None:
-        return
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
-            math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be None or a positive finite number (scores become "
-                         f"softcap * tanh(score / softcap), e.g. 50.0), got {softcap!r}")
+    check_positive("softcap", softcap, "None: no capping; c: scores become c * tanh(score / c), e.g. 50.0")
 
 
 def _score_args(scale: float, softcap) -> tuple:

@@ -166,7 +166,7 @@ def test_bad_plan_block_size_and_softmax_scale_are_refused_on_one_device_as_dist
     torch.testing.assert_close(block_attention(q, k, v, spec, block_size=np.int64(16), backend="torch"),
                                block_attention(q, k, v, spec, block_size=16, backend="torch"))  # (numpy's ints too)
     for scale in (float("nan"), 0.0, -1.0, float("inf"), True):
-        with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
+        with pytest.raises(ValueError, match="softmax_scale must be None or a positive finite number"):
             block_attention(q, k, v, spec, block_size=16, softmax_scale=scale, backend="torch")
 
 
