@@ -577,7 +577,7 @@ def distributed_block_attention(q, k, v, mask_spec, plan, *, softmax_scale=None,
     kmask = _kernel_mask(bm, q.device)
     prog = rank_program(plan, me, bm, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    run = _Run(prog, be, kmask, scale, group, comm_method, None if softcap is None else float(softcap))
+    run = _Run(prog, be, kmask, scale, group, comm_method, softcap)
     out, lse = _DistributedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), run)
     return (out, lse) if return_lse else out
 

@@ -20,6 +20,14 @@ def _check_pair(out: torch.Tensor, lse: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: expected out [R, H, D] and lse [H, R], got out {tuple(out.shape)}, lse {tuple(lse.shape)}")
 
 
+def merge_weights(lse_stack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(merged lse [H, R], each partial's weight exp(lse_i - lse) [N, H, R]) of partials with lses
+    ``lse_stack`` [N, H, R]: weight 0 for an empty partial, and lse -inf only where every partial is empty."""
+    lse = torch.logsumexp(lse_stack, dim=0)  # -inf where every partial is empty
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return lse, torch.exp(lse_stack - safe)  # exp(-inf) = 0 for empty partials
+
+
 def merge_many(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge N partial (out, lse) results of the same rows; returns (out in outs[0].dtype, lse fp32)."""
     if len(outs) == 0 or len(outs) != len(lses):
@@ -29,10 +37,7 @@ def merge_many(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> tu
         if o.shape != outs[0].shape:
             raise ValueError(f"partial {i} has out shape {tuple(o.shape)}, partial 0 has {tuple(outs[0].shape)}")
     acc_dtype = torch.float64 if outs[0].dtype == torch.float64 else torch.float32
-    lse_stack = torch.stack([l.to(acc_dtype) for l in lses])  # [N, H, R]
-    lse = torch.logsumexp(lse_stack, dim=0)  # -inf where every partial is empty
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    weights = torch.exp(lse_stack - safe)  # exp(-inf) = 0 for empty partials
+    lse, weights = merge_weights(torch.stack([l.to(acc_dtype) for l in lses]))
     out = torch.zeros(outs[0].shape, dtype=acc_dtype, device=outs[0].device)
     for w, o in zip(weights, outs):
         out += w.transpose(0, 1).unsqueeze(-1) * o.to(acc_dtype)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from blockattn.merge import merge_weights
+
 __all__ = ["check_sinks", "merge_sinks"]
 
 
@@ -42,15 +44,9 @@ def check_sinks(sinks, q: torch.Tensor) -> None:
 
 def _weights(lse: torch.Tensor, sinks: torch.Tensor) -> tuple:
     """(lse', weight of the real keys exp(lse - lse'), the sink's exp(sink - lse')), all [Hq, R] in lse's
-    dtype; both weights 0 on a side that is -inf, and lse' = -inf only where both are."""
-    sink = sinks.detach().to(lse.dtype)[:, None].expand_as(lse)
-    top = torch.maximum(lse, sink)
-    shift = torch.where(top == float("-inf"), torch.zeros_like(top), top)
-    keys, own = torch.exp(lse - shift), torch.exp(sink - shift)
-    total = keys + own
-    merged = shift + torch.log(total)  # log(0) = -inf where both sides are empty
-    safe = torch.where(total > 0, total, torch.ones_like(total))
-    return merged, keys / safe, own / safe
+    dtype: blockattn/merge.py's weights of the two partials (0 on a side that is -inf)."""
+    merged, (keep, sink_p) = merge_weights(torch.stack([lse, sinks.detach().to(lse.dtype)[:, None].expand_as(lse)]))
+    return merged, keep, sink_p
 
 
 class _SinkMerge(torch.autograd.Function):
