@@ -132,7 +132,8 @@ def check_batch(spec: MaskSpec, args: dict) -> tuple[dict, str | None]:
         # where dcp plans on merged blocks
         held = np.bincount(plan.block_home.numpy(), minlength=P).max()
         if strategy == "dcp":
-            dcp_merged = coarsening_factor(TileSet.from_block_mask(spec.block_mask(plan.block_size)), P)
+            dcp_merged = coarsening_factor(TileSet.from_block_mask(spec.block_mask(plan.block_size)), P,
+                                               plan.topology)
         merged = dcp_merged if strategy == "dcp" else 1
         if held > plan.num_blocks * (1 + max(DEFAULT_MEMORY_SLACK, 2 * CUT_SLACK)) / P + 2 * merged:
             return over, (f"{strategy}: a rank holds {held} of {plan.num_blocks} blocks, over the mean plus "

@@ -18,7 +18,7 @@ import torch
 from . import baselines, dcp, fcp, hypergraph
 from .dcp import DEFAULT_MEMORY_SLACK
 from .check import check_plan
-from .cost_model import CostModel, Topology
+from .cost_model import BALANCE_SLACK, CostModel, Topology
 from .finish import finish_placement
 from .shared_homes import dcp_on_homes
 from .placement import Placement, positions_by_key, stage_renumbering
@@ -170,9 +170,10 @@ def check_plan_args(world_size: int, *, num_q_heads: int, num_kv_heads: int, hea
         raise ValueError(f"topology ({topology}) and cost_model.topology ({cost_model.topology}) disagree: give the "
                          "topology inside the cost model, CostModel(topology=..., fwd_rate=...), or only one of them")
     if not cost_model.is_plain():
-        raise ValueError("cost_model's balance_overlap, balance_duplex, balance_level_nodes, balance_priced_rows and "
-                         "home_memory_slack are dcp's internal search settings: leave them at their defaults (0.0, "
-                         "False, False, True, 0.0); make_plan's memory_slack sets how far memory may be unbalanced")
+        raise ValueError("cost_model's balance_overlap, balance_duplex, balance_level_nodes, balance_priced_rows, "
+                         "balance_slack and home_memory_slack are dcp's internal search settings: leave them at their "
+                         f"defaults (0.0, False, False, True, {BALANCE_SLACK}, 0.0); make_plan's memory_slack sets how "
+                         "far memory may be unbalanced")
     return world_size, num_q_heads, num_kv_heads, head_dim, max_stages, cost_model
 
 

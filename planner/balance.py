@@ -23,6 +23,9 @@ work they carry outweighs the slower link, so placement stays inside nodes where
 The rounds of moves (donors, targets, candidate orders) and each move's arithmetic (the cost of every
 prefix, the choice of one, the bookkeeping it updates) are compiled, in planner/balance_moves.py.
 
+``slack``: donors shed down to the mean times 1 + slack (default BALANCE_SLACK, 2%; ``CostModel.balance_slack``,
+which dcp sets lower for one node's merged blocks, planner/first_pass.py ONE_NODE_MERGED_SLACK).
+
 ``start`` (default: every tile on its q-block's home) gives another starting assignment, e.g.
 ``pushed_rows``: the bookkeeping counts its Q, OUT and KV transfers the same receive-once way.
 
@@ -69,11 +72,11 @@ import numpy as np
 
 from . import balance_moves as moves
 from .balance_moves import BalancerState, MoveRule
+from .cost_model import BALANCE_SLACK
 from .placement import weighted_bincount
 from .schedule import KIND_KV, KIND_OUT, KIND_Q, kv_block_bytes, payload_bytes
 from .tiles import TileSet
 
-BALANCE_SLACK = 0.02  # donors shed until within 2% of the mean (target 5%)
 MAX_TARGETS_PER_DONOR = 12  # targets tried per donor and round (bounds planning time at large P)
 MAX_ROUNDS = 3
 MAX_FAILED_HOMES = 3  # kv-homes tried in a row without a move before a donor gives up on rows (a later home
@@ -90,7 +93,7 @@ class Balancer:
                  num_q_heads: int, num_kv_heads: int, head_dim: int, element_size: int, grad_element_size: int = 4,
                  relay_aware: bool = False, spread_sends: bool = False, start: np.ndarray | None = None,
                  overlap: float = 0.0, duplex: bool = False, level_nodes: bool = False, priced_rows: bool = True,
-                 loads: tuple | None = None):
+                 slack: float = BALANCE_SLACK, loads: tuple | None = None):
         P, nB = world_size, tiles.num_blocks
         self.t, self.home, self.c, self.P, self.nB = tiles, home, compute, P, nB
         self.node = np.ascontiguousarray(topology.node_of(np.arange(P)), dtype=np.int64)
@@ -109,7 +112,8 @@ class Balancer:
         home = np.ascontiguousarray(home, dtype=np.int64)
         self.rank = np.array(home[tiles.q] if start is None else start, dtype=np.int64)  # (a copy)
         # (``loads``: the caller's ``_load_and_cap`` of these start ranks, where it has it)
-        self.C, self.mean, self.cap = _load_and_cap(self.rank, compute, P) if loads is None else loads
+        self.slack = float(slack)
+        self.C, self.mean, self.cap = _load_and_cap(self.rank, compute, P, self.slack) if loads is None else loads
         self.send = np.zeros((P, 2))
         self.recv = np.zeros((P, 2))
         self.have_q = np.zeros((P, nB), dtype=bool)
@@ -130,7 +134,7 @@ class Balancer:
             recv=self.recv, have_q=self.have_q, have_kv=self.have_kv, has_out=self.has_out, node_kv=self.node_kv)
         self._rule = MoveRule(multi_node=self.multi_node, relay_aware=self.relay_aware,
                               spread_sends=self.spread_sends, duplex=self.duplex, overlap=self.overlap,
-                              level_nodes=self.level_nodes, slack=BALANCE_SLACK, max_rounds=MAX_ROUNDS,
+                              level_nodes=self.level_nodes, slack=self.slack, max_rounds=MAX_ROUNDS,
                               max_targets=MAX_TARGETS_PER_DONOR, max_failed_homes=MAX_FAILED_HOMES,
                               max_move_tiles=MAX_MOVE_TILES, mean_tile=float(self._mean_tile),
                               row_over_column=float(self._row_over_column), priced_rows=self.priced_rows)
@@ -166,15 +170,16 @@ class Balancer:
 
 
 def balanced_ranks(tiles: TileSet, home: np.ndarray, compute: np.ndarray, world_size: int, topology,
-                   start: np.ndarray | None = None, **balancer_args) -> np.ndarray:
+                   start: np.ndarray | None = None, slack: float = BALANCE_SLACK, **balancer_args) -> np.ndarray:
     """``Balancer(...).run()``'s tile ranks, without building the Balancer where no rank starts over
     the cap (it would move nothing): its bookkeeping of every rank's bytes was ~10% of a one-node
     128K / 8 plan whose start was already balanced."""
     rank = home[tiles.q] if start is None else start
-    loads = _load_and_cap(rank, compute, world_size)
+    loads = _load_and_cap(rank, compute, world_size, slack)
     if _nothing_to_shed(loads[0], loads[2], compute.size):
         return rank.copy()
-    return Balancer(tiles, home, compute, world_size, topology, start=rank, loads=loads, **balancer_args).run()
+    return Balancer(tiles, home, compute, world_size, topology, start=rank, slack=slack, loads=loads,
+                    **balancer_args).run()
 
 
 def _block_payloads(tiles: TileSet, sizes: tuple) -> tuple:
@@ -193,11 +198,12 @@ def _block_payloads(tiles: TileSet, sizes: tuple) -> tuple:
     return per_sizes[sizes]
 
 
-def _load_and_cap(rank: np.ndarray, compute: np.ndarray, world_size: int) -> tuple:
-    """(per-rank compute [P], its mean, the cap donors shed down to) of tile ranks ``rank``."""
+def _load_and_cap(rank: np.ndarray, compute: np.ndarray, world_size: int, slack: float) -> tuple:
+    """(per-rank compute [P], its mean, the cap donors shed down to: the mean times 1 + ``slack``) of tile
+    ranks ``rank``."""
     load = weighted_bincount(rank, compute, world_size)
     mean = load.sum() / world_size
-    return load, mean, mean * (1 + BALANCE_SLACK)
+    return load, mean, mean * (1 + slack)
 
 
 def _nothing_to_shed(load: np.ndarray, cap: float, num_tiles: int) -> bool:

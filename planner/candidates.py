@@ -39,6 +39,16 @@ FCP_PLAN = "fcp-plan"  # the fcp strategy's plan as it is (planner/fcp.py: owner
 # blocks per rank (memory balance within ~3%); the result is mapped back to the real blocks.
 COARSE_TILE_LIMIT = 16384
 MIN_COARSE_BLOCKS_PER_RANK = 32
+# One node, a batch merged already: merged further while over ONE_NODE_TILE_LIMIT merged tiles, down to 16
+# merged blocks per rank where they still split over the ranks within ONE_NODE_MEMORY_SLACK of the mean.
+# With the merged blocks' balance slack (planner/first_pass.py ONE_NODE_MERGED_SLACK), on the bench's 128K / 8
+# batches (seeds 0 and 777, 38 plans, most merged 4x -> 8x): planning 4.96 -> 3.74 ms geomean (paired,
+# min of 5), fwd + bwd over the bound 1.0158 -> 1.0090, bytes +6%. On several nodes coarser blocks rank
+# the candidates worse (1M / 64: 1.081 -> 1.140x on one batch, session 32); 32 ranks of one node are not
+# merged at 128K (docs/planner_log.md, session 50).
+ONE_NODE_TILE_LIMIT = 4096
+ONE_NODE_MIN_BLOCKS_PER_RANK = 16
+ONE_NODE_MEMORY_SLACK = 0.03
 # Several nodes: the refined finalists are also staged with the budget rule of planner/stages.py
 # doubled (transfers front-loaded) and the faster staging is kept. Neither wins everywhere (doubled for every
 # candidate: 27 of 57 benchmark cases faster, 11 slower): a rank's later stages also carry other
@@ -226,11 +236,20 @@ def _lower_bound(tiles: TileSet, world_size: int, cost_model: CostModel, sizes: 
     return flops * (1 + cost_model.bwd_flops_factor) / (world_size * cost_model.fwd_rate)
 
 
-def coarsening_factor(tiles: TileSet, world_size: int) -> int:
-    """Power of two by which to merge blocks before planning (1: plan the real blocks)."""
+def coarsening_factor(tiles: TileSet, world_size: int, topology: Topology) -> int:
+    """Power of two by which to merge blocks before planning (1: plan the real blocks); further on one
+    node of ``topology`` (ONE_NODE_TILE_LIMIT)."""
     factor = 1
     while (tiles.num_tiles > COARSE_TILE_LIMIT * factor * factor
            and tiles.num_blocks // (2 * factor) >= MIN_COARSE_BLOCKS_PER_RANK * world_size):
+        factor *= 2
+    if factor == 1 or world_size > topology.ranks_per_node:
+        return factor
+    while tiles.num_tiles > ONE_NODE_TILE_LIMIT * factor * factor:
+        merged = -(-tiles.num_blocks // (2 * factor))
+        if (merged < ONE_NODE_MIN_BLOCKS_PER_RANK * world_size
+                or -(-merged // world_size) * world_size > (1 + ONE_NODE_MEMORY_SLACK) * merged):
+            break
         factor *= 2
     return factor
 
@@ -325,7 +344,7 @@ def _balanced(tiles: TileSet, world_size: int, init: str | None, cost_model: Cos
     rank = balanced_ranks(tiles, home, flops / cost_model.fwd_rate, world_size, topology, start=start,
                           relay_aware=relay_aware, spread_sends=spread_sends, overlap=cost_model.balance_overlap,
                           duplex=cost_model.balance_duplex, level_nodes=cost_model.balance_level_nodes,
-                          priced_rows=cost_model.balance_priced_rows,
+                          priced_rows=cost_model.balance_priced_rows, slack=cost_model.balance_slack,
                           **sizes)
     return home, rank
 

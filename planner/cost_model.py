@@ -82,6 +82,10 @@ def _check_positive_number(name: str, value, unit: str) -> None:
         raise ValueError(f"{name} must be a finite number > 0 ({unit}), got {value!r}")
 
 
+# dcp's balancer: donors shed compute until within this fraction of the mean (the issue's target is 5%)
+BALANCE_SLACK = 0.02
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Compute rates plus a Topology (see module docstring). ``make_plan(cost_model=...)`` takes one for
@@ -105,6 +109,9 @@ class CostModel:
     # ... and with balance_priced_rows (default), on one node rows go to a kv-home only in pieces no
     # dearer a tile than a rectangle (planner/balance_moves.py ``priced_rows``); dcp re-plans without it.
     balance_priced_rows: bool = True
+    # ... and with balance_slack, donors shed until within this fraction of the mean compute (planner/balance.py
+    # ``slack``); dcp plans one node's merged blocks with less (planner/first_pass.py ONE_NODE_MERGED_SLACK).
+    balance_slack: float = BALANCE_SLACK
     # Not a balancer setting but dcp's too: with home_memory_slack, the FCP packings of dcp's starts pass it
     # to planner/fcp.py ``fcp_home`` ("fcp", "fcp-docs", the "hierarchical" ones' nodes), which may then give
     # a rank (a node) up to this fraction of the mean blocks more than the mean; dcp re-plans its slow plans
@@ -119,6 +126,8 @@ class CostModel:
         _check_positive_number("CostModel.bwd_flops_factor", self.bwd_flops_factor, "e.g. 2.5")
         if not (math.isfinite(self.balance_overlap) and self.balance_overlap >= 0):
             raise ValueError(f"CostModel.balance_overlap must be >= 0, got {self.balance_overlap!r}")
+        if not (math.isfinite(self.balance_slack) and self.balance_slack >= 0):
+            raise ValueError(f"CostModel.balance_slack must be >= 0, got {self.balance_slack!r}")
         if not (math.isfinite(self.home_memory_slack) and self.home_memory_slack >= 0):
             raise ValueError(f"CostModel.home_memory_slack must be >= 0, got {self.home_memory_slack!r}")
 
@@ -139,7 +148,7 @@ class CostModel:
         defaults: they are dcp's internal search settings (its re-plans change them), not part of a cost
         model a caller gives."""
         return replace(self, balance_overlap=0.0, balance_duplex=False, balance_level_nodes=False,
-                       balance_priced_rows=True, home_memory_slack=0.0)
+                       balance_priced_rows=True, balance_slack=BALANCE_SLACK, home_memory_slack=0.0)
 
     def is_plain(self) -> bool:
         """Whether dcp's internal search settings (``balance_*``, ``home_memory_slack``) are their defaults

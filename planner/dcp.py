@@ -495,7 +495,7 @@ def _dcp_selected(tiles: TileSet, world_size: int, cost_model: CostModel, max_st
         result = _dcp(tiles, world_size, cost_model, max_stages, sizes, init)
     if init is not None or world_size == 1:
         return result
-    factor = coarsening_factor(tiles, world_size)
+    factor = coarsening_factor(tiles, world_size, cost_model.topology)
     floors = baseline_floors(tiles, world_size, cost_model, sizes)
     if one_node and factor > 1 and (
             result.merged_time is None or result.merged_time <= first_pass.GOOD_ENOUGH * bound):

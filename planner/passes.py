@@ -203,7 +203,7 @@ def _dealt_homes(tiles: TileSet, placement: Placement, world_size: int, cost_mod
     dealt over their nodes' ranks (``deal_heavy_pieces``), and on one node ``placement``'s with its widely
     read blocks dealt (WIDELY_READ), each where that changes it and once; dealt as merged blocks where
     the batch is planned on them (the seeds of ``_dcp(second_opinion=...)``)."""
-    coarse, kept, of_block = _as_planned(tiles, world_size, placement.block_home)
+    coarse, kept, of_block = _as_planned(tiles, world_size, placement.block_home, cost_model.topology)
     homes = [_initial_home(coarse, world_size, "hierarchical", cost_model, sizes)]
     if kept is not None:
         homes.append(kept)
@@ -222,10 +222,10 @@ def _dealt_homes(tiles: TileSet, placement: Placement, world_size: int, cost_mod
     return [home[of_block] for home in dealt]
 
 
-def _as_planned(tiles: TileSet, world_size: int, home: np.ndarray) -> tuple:
+def _as_planned(tiles: TileSet, world_size: int, home: np.ndarray, topology) -> tuple:
     """(the blocks dcp plans this batch on - merged where ``coarsening_factor`` merges them -, ``home`` as
     their homes or None where it does not keep them whole, each real block's merged block)."""
-    factor = coarsening_factor(tiles, world_size)
+    factor = coarsening_factor(tiles, world_size, topology)
     coarse = coarsen(tiles, factor)[0] if factor > 1 else tiles
     return coarse, merged_home(home, factor, coarse.num_blocks), np.arange(tiles.num_blocks) // factor
 
@@ -236,7 +236,7 @@ def _spread_homes(tiles: TileSet, placement: Placement, world_size: int, topolog
     first exchange dealt (``deal_blocks``): that exchange has no earlier one to send them ahead through
     a node-mate (a transit rank), so one home's NIC carries them all behind stage 0's compute. Dealt
     as merged blocks where the batch is planned on them (the seeds of ``_dcp(second_opinion=...)``)."""
-    coarse, home, of_block = _as_planned(tiles, world_size, placement.block_home)
+    coarse, home, of_block = _as_planned(tiles, world_size, placement.block_home, topology)
     if home is None:
         return []  # not whole merged blocks: no seed survives merging
     fwd = placement.schedule.fwd.numpy().astype(np.int64)

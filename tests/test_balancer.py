@@ -329,3 +329,54 @@ def test_one_node_rows_go_to_a_kv_home_only_in_pieces_no_dearer_than_a_rectangle
     assert plain["shortest"] <= 2 < priced["shortest"], runs
     assert priced["bytes"] < 0.9 * plain["bytes"], runs
     assert priced["busiest"] <= 1.005 * plain["busiest"], runs
+
+
+def test_slack_sets_where_donors_stop_shedding():
+    """A donor sheds compute until it is within ``slack`` of the mean (the cap): from the contiguous homes
+    of one causal document on 6 ranks of one node (the last ranks hold most of the compute), the busiest
+    rank ends just under the mean times 1 + slack, for 2% (BALANCE_SLACK, the default) and for 1% (what
+    dcp gives one node's merged blocks)."""
+    from blockattn.planner.balance import BALANCE_SLACK, balanced_ranks
+    from blockattn.planner.tiles import TileSet
+
+    tiles = TileSet.from_block_mask(MaskSpec.causal(16384).block_mask(256))
+    home = (np.arange(tiles.num_blocks) * 6) // tiles.num_blocks
+    seconds = tiles.pairs.astype(np.float64)
+    busiest = {}
+    for slack in (BALANCE_SLACK, 0.01):
+        rank = balanced_ranks(tiles, home, seconds, 6, Topology(ranks_per_node=8), slack=slack, **SIZES)
+        load = np.bincount(rank, weights=seconds, minlength=6)
+        busiest[slack] = load.max() / load.mean()
+        assert 1 + slack / 2 < busiest[slack] <= 1 + slack, (slack, busiest[slack])
+    assert BALANCE_SLACK == 0.02
+
+
+def test_one_node_merged_blocks_are_balanced_with_their_own_slack(monkeypatch):
+    """dcp plans one node's merged blocks with ``CostModel.balance_slack`` = ONE_NODE_MERGED_SLACK (1%), and
+    real blocks, on one node or several, with the default BALANCE_SLACK (2%)."""
+    from blockattn import make_plan
+    from blockattn.planner import balance as balance_module
+    from blockattn.planner import clear_plan_cache
+    from blockattn.planner.first_pass import ONE_NODE_MERGED_SLACK
+
+    seen = set()
+    original = balance_module.Balancer.__init__
+
+    def recording(self, *args, slack, **kwargs):
+        seen.add((args[0].block_size, slack))  # (args[0]: the tiles, merged ones in larger blocks)
+        original(self, *args, slack=slack, **kwargs)
+
+    monkeypatch.setattr(balance_module.Balancer, "__init__", recording)
+    spec = MaskSpec.documents(long_tail_docs(3, 65536))
+    for world_size, ranks_per_node in ((8, 8), (8, 4)):
+        seen.clear()
+        clear_plan_cache()
+        make_plan(spec, world_size, block_size=64, topology=Topology(ranks_per_node=ranks_per_node), check=False,
+                  **HEADS)
+        merged = {slack for block, slack in seen if block > 64}
+        real = {slack for block, slack in seen if block == 64}
+        if ranks_per_node == world_size:
+            assert merged == {ONE_NODE_MERGED_SLACK} and real <= {balance_module.BALANCE_SLACK}, seen
+        else:
+            assert merged | real == {balance_module.BALANCE_SLACK}, seen
+    clear_plan_cache()

@@ -192,6 +192,7 @@ def test_the_plan_cache_keeps_to_its_byte_budget_and_always_the_newest_plan(monk
         (dict(cost_model=CostModel(balance_duplex=True)), ValueError, "internal search settings"),
         (dict(cost_model=CostModel(balance_priced_rows=False)), ValueError, "balance_priced_rows"),
         (dict(cost_model=CostModel(home_memory_slack=0.05)), ValueError, "make_plan's memory_slack"),
+        (dict(cost_model=CostModel(balance_slack=0.01)), ValueError, "balance_slack"),
         (dict(memory_slack=-0.01), ValueError, r"memory_slack must be in \[0, 0.5\]"),
         (dict(memory_slack=0.75), ValueError, "memory_slack must be in"),
         (dict(memory_slack="5%"), TypeError, "memory_slack must be a number"),
@@ -217,6 +218,7 @@ def test_bad_arguments(kwargs, exc, words):
         (dict(bwd_flops_factor=True), TypeError, "bwd_flops_factor"),
         (dict(topology=8), TypeError, "CostModel.topology must be"),
         (dict(balance_overlap=-1.0), ValueError, "balance_overlap"),
+        (dict(balance_slack=-0.01), ValueError, "balance_slack must be >= 0"),
         (dict(home_memory_slack=float("nan")), ValueError, "home_memory_slack"),
     ],
 )
