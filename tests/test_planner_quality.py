@@ -1768,3 +1768,39 @@ def make_plan_on(spec, home, cost_model):
     finally:
         fcp_module.strategy_home = original
         clear_plan_cache()
+
+
+@settings(max_examples=300, deadline=None)
+@given(num_blocks=st.integers(1, 20000), tiles_per_block=st.floats(1.0, 400.0), world_size=st.integers(1, 64),
+       ranks_per_node=st.sampled_from([1, 2, 4, 8, 32, 64]))
+def test_coarsening_factor_merges_one_node_further_only_while_memory_stays_balanced(num_blocks, tiles_per_block,
+                                                                                   world_size, ranks_per_node):
+    """``coarsening_factor``: on several nodes the usual rule (a power of two, while over COARSE_TILE_LIMIT
+    merged tiles with at least MIN_COARSE_BLOCKS_PER_RANK merged blocks per rank); on one node, where that
+    rule merges at all, further while over ONE_NODE_TILE_LIMIT merged tiles, each further merging leaving at
+    least ONE_NODE_MIN_BLOCKS_PER_RANK merged blocks per rank that split over the ranks within
+    ONE_NODE_MEMORY_SLACK, and stopping only where one more would not."""
+    from types import SimpleNamespace
+
+    c = candidates_module
+    tiles = SimpleNamespace(num_tiles=int(num_blocks * tiles_per_block), num_blocks=num_blocks)
+    usual = 1
+    while (tiles.num_tiles > c.COARSE_TILE_LIMIT * usual ** 2
+           and num_blocks // (2 * usual) >= c.MIN_COARSE_BLOCKS_PER_RANK * world_size):
+        usual *= 2
+    factor = c.coarsening_factor(tiles, world_size, Topology(ranks_per_node=ranks_per_node))
+
+    def allowed(f):  # whether merging by f (one step past f // 2) keeps the one-node promises
+        merged = -(-num_blocks // f)
+        return (merged >= c.ONE_NODE_MIN_BLOCKS_PER_RANK * world_size
+                and -(-merged // world_size) * world_size <= (1 + c.ONE_NODE_MEMORY_SLACK) * merged)
+
+    if world_size > ranks_per_node or usual == 1:
+        assert factor == usual
+        return
+    assert factor >= usual and factor & (factor - 1) == 0
+    f = usual
+    while f < factor:
+        f *= 2
+        assert tiles.num_tiles > c.ONE_NODE_TILE_LIMIT * (f // 2) ** 2 and allowed(f), (f, factor)
+    assert tiles.num_tiles <= c.ONE_NODE_TILE_LIMIT * factor ** 2 or not allowed(2 * factor)
