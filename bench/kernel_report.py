@@ -178,7 +178,7 @@ def main(argv=None):
         sys.exit("kernel_report: unset TRITON_INTERPRET (the interpreter cannot AOT-compile)")
     import torch
 
-    from blockattn.kernels.launch import KernelConfig, block_d, kernel_config
+    from blockattn.kernels.launch import KernelConfig, kernel_config
 
     tool = cuobjdump_path()
     if tool is None:
@@ -195,8 +195,7 @@ def main(argv=None):
                 "softcap-ragged": dict(has_iv=True, has_bits=False, even=False, accumulate=True, softcap=True)}
     for kind, dtype, D, B in configs(args.quick):
         for variant, kw in variants.items():
-            cfg = kernel_config(kind, B, block_d(D), torch.device("cuda"), even_d=D == block_d(D),
-                                softcap=kw.get("softcap", False))
+            cfg = kernel_config(kind, B, D, torch.device("cuda"), softcap=kw.get("softcap", False))
             kw = dict(kw)
             if kind != "fwd":
                 kw.pop("accumulate", None)

@@ -49,10 +49,10 @@ def interpreted() -> bool:
     return isinstance(attention_fwd_kernel, InterpretedFunction)
 
 
-def kernel_config(kind: str, block: int, head_dim: int, device: torch.device, *, even_d: bool = True,
-                  softcap: bool = False) -> KernelConfig:
-    """Default tiles for ``kind`` in {"fwd", "dq", "dkdv"}; ``head_dim`` is the tile width ``block_d(D)``,
-    ``even_d`` whether D fills it (no column masks), ``softcap`` the capped-scores variant.
+def kernel_config(kind: str, block: int, head_dim: int, device: torch.device, *, softcap: bool = False) -> KernelConfig:
+    """Default tiles for ``kind`` in {"fwd", "dq", "dkdv"} at head dim ``head_dim`` (its tile width is
+    ``block_d(head_dim)``, with column masks where the head dim does not fill it); ``softcap``: the
+    capped-scores variant.
 
     The interpreter pays per sub-tile in Python, so it takes whole blocks. On GPUs the choice is the
     fastest-looking configuration with zero spills in the sm_90a static report (bench/kernel_report.py,
@@ -69,6 +69,8 @@ def kernel_config(kind: str, block: int, head_dim: int, device: torch.device, *,
     """
     if device.type != "cuda":
         return KernelConfig(block, block, 4, 1)
+    # (from here ``head_dim`` is the tile width, ``even_d`` whether the head dim fills it)
+    head_dim, even_d = block_d(head_dim), head_dim == block_d(head_dim)
     if kind == "fwd":
         if head_dim <= 64 and not softcap or head_dim == 128 and even_d and not softcap:
             return KernelConfig(min(block, 128), min(block, 128), 8, 3)
@@ -238,7 +240,7 @@ def attention_fwd(q, k, v, tiles: TileList, mask: KernelMask, scale=None, *, out
     B, T = mask.block_size, mask.total_len
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     qk_scale, cap, capped = _score_args(_scale(scale, D), softcap)
-    cfg = config or kernel_config("fwd", B, block_d(D), q.device, even_d=D == block_d(D), softcap=capped)
+    cfg = config or kernel_config("fwd", B, D, q.device, softcap=capped)
     grid = (tiles.num_work * (B // cfg.block_m) * Hq,)
     attention_fwd_kernel[grid](
         q, k, v, out, lse, *_tile_args(tiles), iv, bits,
@@ -335,7 +337,7 @@ def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMas
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     scale = _scale(scale, D)
     qk_scale, cap, capped = _score_args(scale, softcap)
-    cfg = config or kernel_config("dq", B, block_d(D), q.device, even_d=D == block_d(D), softcap=capped)
+    cfg = config or kernel_config("dq", B, D, q.device, softcap=capped)
     attention_bwd_dq_kernel[(tiles.num_work * (B // cfg.block_m) * Hq,)](
         q, k, v, dout, lse, delta, dq, *_tile_args(tiles), iv, bits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -363,7 +365,7 @@ def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: Kerne
     iv, bits, has_iv, has_bits = _mask_args(mask, q.device)
     scale = _scale(scale, D)
     qk_scale, cap, capped = _score_args(scale, softcap)
-    cfg = config or kernel_config("dkdv", B, block_d(D), q.device, even_d=D == block_d(D), softcap=capped)
+    cfg = config or kernel_config("dkdv", B, D, q.device, softcap=capped)
     attention_bwd_dkdv_kernel[(tiles_t.num_work * (B // cfg.block_n) * Hkv,)](
         q, k, v, dout, lse, delta, dk, dv, *_tile_args(tiles_t), iv, bits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
