@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 TORCH_TO_TT = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+SMALL_KERNELS = ("merge", "merge_into", "preprocess")  # one row each, bf16 D=128
 
 
 def cuobjdump_path() -> Path | None:
@@ -49,14 +50,13 @@ def _signature(kind: str, dtype: str, D: int, B: int, cfg, group: int, even: boo
     masks = {"Intervals": "*i32", "Bits": "*u8"}
     const = dict(GROUP=group, BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, BLOCK_D=block_d(D),
                  EVEN_T=even, HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC="ieee" if dtype == "fp32" else "tf32",
-                 SOFTCAP=softcap)
+                 SOFTCAP=softcap, ACCUMULATE=accumulate)
     if kind == "fwd":
         fn = attention_fwd_kernel
         sig = {"Q": p, "K": p, "V": p, "Out": p, "Lse": "*fp32", **tiles, **masks}
         strides = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh",
                    "stride_ot", "stride_oh", "stride_lh"]
         scalars = {"T": "i32", "num_heads": "i32", "qk_scale": "fp32", "cap": "fp32"}
-        const["ACCUMULATE"] = accumulate
     elif kind == "dq":
         fn = attention_bwd_dq_kernel
         sig = {"Q": p, "K": p, "V": p, "DOut": p, "Lse": "*fp32", "Delta": "*fp32", "DQ": "*fp32", **tiles, **masks}
@@ -80,15 +80,18 @@ def _signature(kind: str, dtype: str, D: int, B: int, cfg, group: int, even: boo
 
 
 def _small_kernel_signature(kind: str, dtype: str, D: int):
-    """(fn, signature, constexprs) of the merge and delta-preprocess kernels."""
+    """(fn, signature, constexprs) of the merge, in-place merge and delta-preprocess kernels."""
     from blockattn.kernels.backward import attention_bwd_preprocess_kernel
     from blockattn.kernels.launch import block_d
-    from blockattn.kernels.merge import merge_partials_kernel
+    from blockattn.kernels.merge import merge_into_kernel, merge_partials_kernel
 
     p = TORCH_TO_TT[dtype]
     if kind == "merge":
         fn = merge_partials_kernel
         sig = {"Outs": p, "Lses": "*fp32", "Out": p, "Lse": "*fp32", "N": "i32", "R": "i32"}
+    elif kind == "merge_into":
+        fn = merge_into_kernel
+        sig = {"Out": p, "Lse": "*fp32", "Rows": "*i64", "PartOut": p, "PartLse": "*fp32", "R": "i32"}
     else:
         fn = attention_bwd_preprocess_kernel
         sig = {"Out": p, "DOut": p, "Delta": "*fp32", "R": "i32"}
@@ -105,7 +108,7 @@ def compile_one(kind, dtype, D, B, cfg, group=4, even=True, has_iv=True, has_bit
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if kind in ("merge", "preprocess"):
+    if kind in SMALL_KERNELS:
         fn, sig, const = _small_kernel_signature(kind, dtype, D)
     else:
         fn, sig, const = _signature(kind, dtype, D, B, cfg, group, even, has_iv, has_bits, accumulate, softcap)
@@ -187,7 +190,8 @@ def main(argv=None):
     # every configuration in every mask variant: a spill can hide in any of them (D=96 spilled on
     # bitmask tiles alone, D=256 on ragged ones)
     variants = {"intervals": dict(has_iv=True, has_bits=False), "bits": dict(has_iv=False, has_bits=True),
-                # T not a multiple of the block (masked loads) and, for the forward, accumulate=True
+                # T not a multiple of the block (masked loads) and accumulate=True (the forward's fused
+                # merge, the backward's gradients added in place: how a distributed run launches them)
                 "ragged": dict(has_iv=True, has_bits=False, even=False, accumulate=True),
                 # logit soft-capping (kernels/mask_tile.py tanh), its own compiled variant and tiles
                 "softcap": dict(has_iv=True, has_bits=False, softcap=True),
@@ -196,13 +200,10 @@ def main(argv=None):
     for kind, dtype, D, B in configs(args.quick):
         for variant, kw in variants.items():
             cfg = kernel_config(kind, B, D, torch.device("cuda"), softcap=kw.get("softcap", False))
-            kw = dict(kw)
-            if kind != "fwd":
-                kw.pop("accumulate", None)
             rows.append(_report_row(kind, dtype, D, B, cfg, variant, kw, tool))
-    for kind in ("merge", "preprocess"):
-        # launch settings of blockattn.kernels.launch on CUDA: 64-row tiles, 8 warps (merge), 4 (delta)
-        cfg = KernelConfig(64, 64, 8 if kind == "merge" else 4, 1)
+    for kind in SMALL_KERNELS:
+        # launch settings of blockattn.kernels.launch on CUDA: 64-row tiles, 8 warps (merges), 4 (delta)
+        cfg = KernelConfig(64, 64, 4 if kind == "preprocess" else 8, 1)
         rows.append(_report_row(kind, "bf16", 128, 128, cfg, "-", {}, tool))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

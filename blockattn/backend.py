@@ -1,4 +1,4 @@
-"""Kernel backends: the five entry points the executors call, chosen by name, never silently.
+"""Kernel backends: the six entry points the executors call, chosen by name, never silently.
 
 ``"triton"`` (default): blockattn.kernels — compiled on CUDA; on CPU only when TRITON_INTERPRET=1 was
 set before import (the interpreter). ``"torch"``: blockattn.torch_backend, the same functions in
@@ -18,11 +18,12 @@ BACKENDS = ("triton", "torch")
 
 @dataclass(frozen=True)
 class Backend:
-    """A named set of the five kernel entry points (signatures as in docs/design.md)."""
+    """A named set of the six kernel entry points (signatures as in docs/design.md)."""
 
     name: str
     attention_fwd: Callable
     merge_partials: Callable
+    merge_into: Callable
     attention_bwd_preprocess: Callable
     attention_bwd_dq: Callable
     attention_bwd_dkdv: Callable
@@ -45,5 +46,5 @@ def get_backend(name: str | Backend | None = None) -> Backend:
         from blockattn import torch_backend as mod
     else:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
-    return Backend(name, mod.attention_fwd, mod.merge_partials, mod.attention_bwd_preprocess,
+    return Backend(name, mod.attention_fwd, mod.merge_partials, mod.merge_into, mod.attention_bwd_preprocess,
                    mod.attention_bwd_dq, mod.attention_bwd_dkdv)

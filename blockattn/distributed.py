@@ -20,11 +20,11 @@ partial is summed into the relay's dK/dV rows of the block when its exchange com
 relay's own DKV row leaves in a later exchange, packed (at post time) after every child's arrival.
 
 Forward: out/lse accumulate per q-block with the fused ``accumulate=True`` kernel; partial
-(out, lse) of q-blocks owned elsewhere go home and fold into the home's running state with the
-backend's merge as they arrive. Backward: the home computes delta = rowsum(dO * O) (minus dLSE when
-lse is an output too) and ships dO, lse, delta to the tile ranks; per stage dQ (q-major lists) and
-dK/dV (kv-major lists) accumulate in fp32; partials of remote blocks go home in the plan's
-``grad_comm_dtype`` and are summed there in fp32.
+(out, lse) of q-blocks owned elsewhere go home and fold into the home's running state in place as they
+arrive (the backend's ``merge_into``). Backward: the home computes delta = rowsum(dO * O) (minus dLSE
+when lse is an output too) and ships dO, lse, delta to the tile ranks; per stage the kernels add dQ
+(q-major lists) and dK/dV (kv-major lists) into the rank's fp32 accumulators (``accumulate=True``);
+partials of remote blocks go home in the plan's ``grad_comm_dtype`` and are summed there in fp32.
 """
 from __future__ import annotations
 
@@ -70,8 +70,6 @@ class _Exchange:
 class _Stage:
     q_tiles: object  # TileList (q-major: forward, dQ) or None when the rank has no tile in this stage
     kv_tiles: object  # TileList (kv-major: dK/dV; backward stages only) or None
-    q_rows: torch.Tensor  # int64 token rows of the stage's work q-blocks (dQ rows written)
-    kv_rows: torch.Tensor  # int64 token rows of the stage's work kv-blocks (dK/dV rows written)
 
 
 @dataclass(frozen=True)
@@ -188,8 +186,7 @@ def build_rank_program(plan, me: int, bm, device: torch.device) -> RankProgram:
         sel = mine & (stage_all == s)
         tq, tkv, tfull = tq_all[sel], tkv_all[sel], full_all[sel]
         if tq.numel() == 0:
-            empty = torch.zeros(0, dtype=torch.int64)
-            return _Stage(None, None, empty, empty)
+            return _Stage(None, None)
         if backward:  # Q and KV were received in the forward and kept; dO must be here by now
             late = (arrival_q[tq] < 0) | (arrival_kv[tkv] < 0) | (arrival_do[tq] < 0) | (arrival_do[tq] > s)
         else:
@@ -205,9 +202,7 @@ def build_rank_program(plan, me: int, bm, device: torch.device) -> RankProgram:
                                       bits_index=bits, device=device)
         kv_major = TileList.from_tiles(tkv, tq, tfull, block_size=B, work_row_of=kv_row, partner_row_of=q_row,
                                        bits_index=bits, device=device) if backward else None
-        wq, wkv = torch.unique(tq), torch.unique(tkv)
-        return _Stage(q_major, kv_major, _token_rows(q_row[wq], lens[wq]).to(device),
-                      _token_rows(kv_row[wkv], lens[wkv]).to(device))
+        return _Stage(q_major, kv_major)
 
     stages = tuple(stage_lists(plan.tile_stage.to(torch.int64), s, False) for s in range(S))
     stages_bwd = tuple(stage_lists(plan.tile_stage_bwd.to(torch.int64), s, True) for s in range(S))
@@ -355,9 +350,8 @@ class _DistributedAttention(torch.autograd.Function):
                         qb[r] = parts[0]
                     elif sec.kind == KIND_KV:
                         kb[r], vb[r] = parts
-                    else:  # OUT partial of one of our q-blocks: fold into the running state
-                        o, l = be.merge_partials([out[r], parts[0]], [lse[:, r], parts[1]])
-                        out[r], lse[:, r] = o, l
+                    else:  # OUT partial of one of our q-blocks: folded into the running state in place
+                        be.merge_into(out, lse, r, parts[0], parts[1])
         out_local = out[:n].clone()
         lse_local = lse[:, :n].contiguous()
         ctx.run = run
@@ -395,14 +389,13 @@ class _DistributedAttention(torch.autograd.Function):
                                    tag=2 * j + 1, wire_dtype=qb.dtype, grad_dtype=prog.grad_dtype,
                                    name=f"bwd exchange {j}/{S}")
             if j < S and prog.stages_bwd[j].q_tiles is not None:
+                # each stage's gradients are added into the fp32 accumulators by the kernels themselves
+                # (not written to fresh full-size buffers, then gathered and index-added)
                 st = prog.stages_bwd[j]
-                dq_s = be.attention_bwd_dq(qb, kb, vb, dout_b, lse_b, delta_b, st.q_tiles, kmask, scale,
-                                           **_capped(run.softcap))
-                dq.index_add_(0, st.q_rows, dq_s[st.q_rows].to(torch.float32))
-                dk_s, dv_s = be.attention_bwd_dkdv(qb, kb, vb, dout_b, lse_b, delta_b, st.kv_tiles, kmask, scale,
-                                                   **_capped(run.softcap))
-                dk.index_add_(0, st.kv_rows, dk_s[st.kv_rows].to(torch.float32))
-                dv.index_add_(0, st.kv_rows, dv_s[st.kv_rows].to(torch.float32))
+                be.attention_bwd_dq(qb, kb, vb, dout_b, lse_b, delta_b, st.q_tiles, kmask, scale, out=dq,
+                                    accumulate=True, **_capped(run.softcap))
+                be.attention_bwd_dkdv(qb, kb, vb, dout_b, lse_b, delta_b, st.kv_tiles, kmask, scale, out=(dk, dv),
+                                      accumulate=True, **_capped(run.softcap))
             received = handle.wait()
             for peer, secs in prog.exchanges["bwd"][j].recvs.items():
                 offset = 0
@@ -535,7 +528,8 @@ def _resolve_backend(backend):
         from blockattn.backend import get_backend
 
         return get_backend(backend)
-    for fn in ("attention_fwd", "merge_partials", "attention_bwd_preprocess", "attention_bwd_dq", "attention_bwd_dkdv"):
+    for fn in ("attention_fwd", "merge_partials", "merge_into", "attention_bwd_preprocess", "attention_bwd_dq",
+               "attention_bwd_dkdv"):
         if not callable(getattr(backend, fn, None)):
             raise TypeError(f"backend must be 'triton', 'torch' or an object with {fn}(); got {type(backend).__name__}")
     return backend

@@ -1,4 +1,4 @@
-"""Pure-torch blockwise backend: the five kernel entry points over the same TileList / KernelMask.
+"""Pure-torch blockwise backend: the six kernel entry points over the same TileList / KernelMask.
 
 A reference for the Triton kernels and an explicit CPU backend (``backend="torch"``). Each work block
 gathers its partner blocks' rows and does one dense fp32 softmax over them (no online softmax needed),
@@ -12,10 +12,10 @@ import math
 import torch
 from torch import Tensor
 
-from blockattn.kernels.launch import check_softcap
+from blockattn.kernels.launch import check_accumulate, check_softcap
 from blockattn.kernels.tiles import KernelMask, TileList
 
-__all__ = ["attention_fwd", "merge_partials", "attention_bwd_preprocess", "attention_bwd_dq",
+__all__ = ["attention_fwd", "merge_partials", "merge_into", "attention_bwd_preprocess", "attention_bwd_dq",
            "attention_bwd_dkdv"]
 
 
@@ -162,6 +162,15 @@ def merge_partials(outs, lses):
     return out.to(outs.dtype), lse.float()
 
 
+def merge_into(out, lse, rows, part_out, part_lse):
+    """Torch twin of ``blockattn.kernels.merge_into``: the running rows gathered, merged, scattered back."""
+    rows = rows.long()
+    merged_out, merged_lse = merge_partials([out[rows], part_out.to(out.dtype)], [lse[:, rows], part_lse])
+    out[rows] = merged_out
+    lse[:, rows] = merged_lse
+    return out, lse
+
+
 def attention_bwd_preprocess(out, dout):
     """delta [H, R] fp32 = rowsum(out * dout)."""
     return (out.float() * dout.float()).sum(-1).t().contiguous()
@@ -178,8 +187,10 @@ def _p_and_ds(qf, kf, vf, dof, lse_rows, delta_rows, allowed, scale, softcap):
 
 
 def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMask, scale=None, *, out=None,
-                     softcap=None):
-    """Torch twin of ``blockattn.kernels.attention_bwd_dq``: fp32 dq [Rq, Hq, D]."""
+                     accumulate=False, softcap=None):
+    """Torch twin of ``blockattn.kernels.attention_bwd_dq``: fp32 dq [Rq, Hq, D] (``accumulate``: added to
+    ``out``'s rows)."""
+    check_accumulate(accumulate, out)
     Rq, Hq, D = q.shape
     G = Hq // k.shape[1]
     B, T = mask.block_size, mask.total_len
@@ -193,20 +204,24 @@ def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMas
         if q_rows.numel() == 0:
             continue
         if k_rows.numel() == 0:
-            dq[q_rows] = 0.0
+            if not accumulate:
+                dq[q_rows] = 0.0
             continue
         allowed = _allowed(mask, q_glob, k_glob, kinds, q_major=True).to(q.device)
         kf = _group(k[k_rows], G)
         _, ds = _p_and_ds(q[q_rows].float().transpose(0, 1), kf, _group(v[k_rows], G),
                           dout[q_rows].float().transpose(0, 1), lse[:, q_rows], delta[:, q_rows], allowed, scale,
                           softcap)
-        dq[q_rows] = (torch.matmul(ds, kf) * scale).transpose(0, 1)
+        grad = (torch.matmul(ds, kf) * scale).transpose(0, 1)
+        dq[q_rows] = dq[q_rows] + grad if accumulate else grad
     return dq
 
 
 def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: KernelMask, scale=None, *,
-                       out=None, softcap=None):
-    """Torch twin of ``blockattn.kernels.attention_bwd_dkdv``: fp32 (dk, dv) [Rk, Hkv, D]."""
+                       out=None, accumulate=False, softcap=None):
+    """Torch twin of ``blockattn.kernels.attention_bwd_dkdv``: fp32 (dk, dv) [Rk, Hkv, D] (``accumulate``:
+    added to ``out``'s rows)."""
+    check_accumulate(accumulate, out)
     Rq, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -224,8 +239,9 @@ def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: Kerne
         if k_rows.numel() == 0:
             continue
         if q_rows.numel() == 0:
-            dk[k_rows] = 0.0
-            dv[k_rows] = 0.0
+            if not accumulate:
+                dk[k_rows] = 0.0
+                dv[k_rows] = 0.0
             continue
         allowed = _allowed(mask, q_glob, k_glob, kinds, q_major=False).to(q.device)
         qf = q[q_rows].float().transpose(0, 1)
@@ -234,6 +250,8 @@ def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: Kerne
                           lse[:, q_rows], delta[:, q_rows], allowed, scale, softcap)
         dv_h = torch.matmul(p.transpose(1, 2), dof)                 # [Hq, N, D]
         dk_h = torch.matmul(ds.transpose(1, 2), qf) * scale
-        dk[k_rows] = dk_h.view(Hkv, G, -1, D).sum(1).transpose(0, 1)
-        dv[k_rows] = dv_h.view(Hkv, G, -1, D).sum(1).transpose(0, 1)
+        dk_w = dk_h.view(Hkv, G, -1, D).sum(1).transpose(0, 1)
+        dv_w = dv_h.view(Hkv, G, -1, D).sum(1).transpose(0, 1)
+        dk[k_rows] = dk[k_rows] + dk_w if accumulate else dk_w
+        dv[k_rows] = dv[k_rows] + dv_w if accumulate else dv_w
     return dk, dv

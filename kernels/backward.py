@@ -7,12 +7,14 @@ dV = P^T.dO. SOFTCAP (kernels/mask_tile.py): s2 = cap * tanh(qk_scale * q.k), an
 the tanh (times 1 - t^2) before it meets K or Q. Rows with LSE = -inf (no unmasked key) use lse2 = +inf so that P = 0 (no NaN).
 dK/dV programs own one kv head and loop over its GROUP q heads: deterministic, no atomics.
 All gradients are written in fp32; rows past T are neither read nor written, nor are the columns of
-the BLOCK_D-wide head-dim tiles past HEAD_DIM (kernels/tile_io.py: they read as 0).
+the BLOCK_D-wide head-dim tiles past HEAD_DIM (kernels/tile_io.py: they read as 0). ACCUMULATE adds
+them to the fp32 rows already in DQ / DK / DV (``store_grad``): a distributed backward sums its stages
+in place.
 """
 import triton
 import triton.language as tl
 
-from .tile_io import load_partner, load_rows, locate_work_rows, row_col_mask
+from .tile_io import load_partner, load_rows, locate_work_rows, row_col_mask, store_grad
 from .mask_tile import LOG2E, bits_mask, interval_mask, interval_mask_t, load_intervals, mma, scores2, through_cap
 
 
@@ -50,7 +52,7 @@ def attention_bwd_dq_kernel(
     T, num_heads, qk_scale, sm_scale, cap,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr,
-    HAS_BITS: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_BITS: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     M_SPLIT: tl.constexpr = BLOCK // BLOCK_M
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
@@ -109,7 +111,7 @@ def attention_bwd_dq_kernel(
         dq = mma(ds.to(k.dtype), k, dq, DOT_PREC)
 
     dq_ptrs = DQ + q_row0 * stride_dqt + hq * stride_dqh + (offs_m[:, None] * stride_dqt + offs_d[None, :])
-    tl.store(dq_ptrs, dq * sm_scale, mask=row_col_mask(q_valid, offs_d, HEAD_DIM, EVEN_D))
+    store_grad(dq_ptrs, dq * sm_scale, row_col_mask(q_valid, offs_d, HEAD_DIM, EVEN_D), ACCUMULATE)
 
 
 @triton.jit
@@ -122,7 +124,7 @@ def attention_bwd_dkdv_kernel(
     T, num_heads, qk_scale, sm_scale, cap,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_T: tl.constexpr, HAS_INTERVALS: tl.constexpr,
-    HAS_BITS: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_BITS: tl.constexpr, DOT_PREC: tl.constexpr, SOFTCAP: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     # here the work block is a kv-block (BLOCK_N rows per program) and partners are q-blocks (BLOCK_M)
     N_SPLIT: tl.constexpr = BLOCK // BLOCK_N
@@ -198,5 +200,5 @@ def attention_bwd_dkdv_kernel(
     dk_ptrs = DK + kv_row0 * stride_dkt + hk * stride_dkh + (offs_n[:, None] * stride_dkt + offs_d[None, :])
     dv_ptrs = DV + kv_row0 * stride_dvt + hk * stride_dvh + (offs_n[:, None] * stride_dvt + offs_d[None, :])
     kv_keep = row_col_mask(k_valid, offs_d, HEAD_DIM, EVEN_D)
-    tl.store(dk_ptrs, dk * sm_scale, mask=kv_keep)
-    tl.store(dv_ptrs, dv, mask=kv_keep)
+    store_grad(dk_ptrs, dk * sm_scale, kv_keep, ACCUMULATE)
+    store_grad(dv_ptrs, dv, kv_keep, ACCUMULATE)

@@ -16,11 +16,12 @@ from torch import Tensor
 
 from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
 from .forward import attention_fwd_kernel
-from .merge import merge_partials_kernel
+from .merge import merge_into_kernel, merge_partials_kernel
 from .tiles import KernelMask, TileList
 
-__all__ = ["KernelConfig", "kernel_config", "block_d", "MAX_HEAD_DIM", "check_positive", "check_softcap", "interpreted",
-           "attention_fwd", "merge_partials", "attention_bwd_preprocess", "attention_bwd_dq", "attention_bwd_dkdv"]
+__all__ = ["KernelConfig", "kernel_config", "block_d", "MAX_HEAD_DIM", "check_positive", "check_softcap",
+           "check_accumulate", "interpreted", "attention_fwd", "merge_partials", "merge_into",
+           "attention_bwd_preprocess", "attention_bwd_dq", "attention_bwd_dkdv"]
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -285,6 +286,45 @@ def merge_partials(outs, lses):
     return out, lse
 
 
+def merge_into(out, lse, rows, part_out, part_lse):
+    """Fold one partial into a running state in place: for each i, (out[rows[i]], lse[:, rows[i]]) becomes
+    the merge of itself with (part_out[i], part_lse[:, i]) - the bits of ``merge_partials`` on the two,
+    without gathering the running rows, stacking and scattering them back. ``out`` [R, H, D] and
+    ``part_out`` [n, H, D] fp16/bf16/fp32 (unit last stride), ``lse`` [H, R] and ``part_lse`` [H, n]
+    fp32, ``rows`` [n] int32/int64 distinct buffer rows in [0, R). Returns (out, lse)."""
+    for name, t in (("out", out), ("part_out", part_out)):
+        if not isinstance(t, Tensor) or t.dim() != 3 or t.dtype not in SUPPORTED_DTYPES or t.stride(-1) != 1:
+            raise ValueError(f"merge_into: {name} must be a [rows, H, D] fp16/bf16/fp32 tensor with unit last stride, "
+                             f"got {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    R, H, D = out.shape
+    n = part_out.shape[0]
+    if tuple(part_out.shape[1:]) != (H, D):
+        raise ValueError(f"merge_into: part_out {tuple(part_out.shape)} must be [n, H={H}, D={D}] like out")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"merge_into: head dim must be in [1, {MAX_HEAD_DIM}], got {D}")
+    if not isinstance(rows, Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) \
+            or rows.numel() != n:
+        raise ValueError(f"merge_into: rows must be a 1-D int32/int64 tensor with one buffer row per partial row "
+                         f"({n}), got {getattr(rows, 'dtype', type(rows).__name__)} {tuple(getattr(rows, 'shape', ()))}")
+    _check_lse("merge_into: lse", lse, H, R, out.device)
+    _check_lse("merge_into: part_lse", part_lse, H, n, out.device)
+    if part_out.device != out.device or rows.device != out.device:
+        raise ValueError(f"merge_into: out on {out.device}, part_out on {part_out.device}, rows on {rows.device}; "
+                         "move them to one device")
+    if n == 0:
+        return out, lse
+    if rows.device.type == "cpu" and (int(rows.min()) < 0 or int(rows.max()) >= R):
+        raise ValueError(f"merge_into: rows must lie in [0, {R}), got {int(rows.min())}..{int(rows.max())}")
+    _require_runnable(out.device)
+    rows = rows.contiguous()
+    block_r = 64 if out.device.type == "cuda" else 32
+    merge_into_kernel[(triton_cdiv(n, block_r), H)](
+        out, lse, rows, part_out, part_lse, n,
+        out.stride(0), out.stride(1), lse.stride(0), part_out.stride(0), part_out.stride(1), part_lse.stride(0),
+        BLOCK_R=block_r, HEAD_DIM=D, BLOCK_D=block_d(D), num_warps=8 if out.device.type == "cuda" else 4)
+    return out, lse
+
+
 def attention_bwd_preprocess(out, dout):
     """delta [H, R] fp32 = rowsum(out * dout) per head."""
     out = _check_head_tensor("out", out)
@@ -314,6 +354,14 @@ def _bwd_common(q, k, v, dout, lse, delta, tiles, mask):
     return q, k, v, dout
 
 
+def check_accumulate(accumulate, out) -> None:
+    """``accumulate=True`` adds to the gradient rows of ``out``, so it needs one."""
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+    if accumulate and out is None:
+        raise ValueError("accumulate=True adds to the given gradient buffer: pass out=")
+
+
 def _grad_buffer(name, given, shape, device):
     if given is None:
         return torch.zeros(shape, dtype=torch.float32, device=device)
@@ -325,10 +373,12 @@ def _grad_buffer(name, given, shape, device):
 
 
 def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMask, scale=None, *,
-                     out=None, config: KernelConfig | None = None, softcap=None):
+                     out=None, accumulate=False, config: KernelConfig | None = None, softcap=None):
     """dQ (fp32 [Rq, Hq, D]) over a q-major tile list; only rows of work blocks are written
-    (into ``out`` when given, else a fresh zero tensor). ``softcap`` as the forward's."""
+    (into ``out`` when given, else a fresh zero tensor; ``accumulate=True``: added to ``out``'s rows,
+    as a distributed backward sums its stages). ``softcap`` as the forward's."""
     q, k, v, dout = _bwd_common(q, k, v, dout, lse, delta, tiles, mask)
+    check_accumulate(accumulate, out)
     Rq, Hq, D = q.shape
     dq = _grad_buffer("out", out, q.shape, q.device)
     if tiles.num_work == 0:
@@ -345,16 +395,17 @@ def attention_bwd_dq(q, k, v, dout, lse, delta, tiles: TileList, mask: KernelMas
         T, Hq, qk_scale, scale, cap,
         GROUP=Hq // k.shape[1], BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, BLOCK_D=block_d(D),
         EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC=_dot_precision(q.dtype),
-        SOFTCAP=capped, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SOFTCAP=capped, ACCUMULATE=accumulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dq
 
 
 def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: KernelMask, scale=None, *,
-                       out=None, config: KernelConfig | None = None, softcap=None):
+                       out=None, accumulate=False, config: KernelConfig | None = None, softcap=None):
     """(dK, dV) (fp32 [Rk, Hkv, D]) over a kv-major tile list; GQA heads reduced in-program.
-    Only rows of work blocks are written (into ``out = (dk, dv)`` when given, else fresh zeros).
-    ``softcap`` as the forward's."""
+    Only rows of work blocks are written (into ``out = (dk, dv)`` when given, else fresh zeros;
+    ``accumulate=True``: added to their rows). ``softcap`` as the forward's."""
     q, k, v, dout = _bwd_common(q, k, v, dout, lse, delta, tiles_t, mask)
+    check_accumulate(accumulate, out)
     Hq, D = q.shape[1], q.shape[2]
     Hkv = k.shape[1]
     dk = _grad_buffer("out[0]", None if out is None else out[0], k.shape, q.device)
@@ -373,7 +424,7 @@ def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: Kerne
         T, Hkv, qk_scale, scale, cap,
         GROUP=Hq // Hkv, BLOCK=B, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, BLOCK_D=block_d(D),
         EVEN_T=(T % B == 0), HAS_INTERVALS=has_iv, HAS_BITS=has_bits, DOT_PREC=_dot_precision(q.dtype),
-        SOFTCAP=capped, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SOFTCAP=capped, ACCUMULATE=accumulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return dk, dv
 
 

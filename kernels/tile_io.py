@@ -5,7 +5,9 @@ global tokens ``glob + offs``; rows whose global index is >= T (the ragged last 
 ``EVEN`` (T a multiple of the sub-tile) drops the row masks. Head dims are tiles of BLOCK_D = the next
 power of two >= 16 (``offs_d = arange(BLOCK_D)``); of those only the first HEAD_DIM columns exist, the
 rest read as zeros (they add nothing to q.k, P.V or the gradients) and are never written.
-``EVEN_D`` (HEAD_DIM == BLOCK_D) drops the column masks.
+``EVEN_D`` (HEAD_DIM == BLOCK_D) drops the column masks. Gradient tiles are stored with ``store_grad``:
+with ``ACCUMULATE`` added to the fp32 rows already there (a distributed backward's stages sum into one
+buffer instead of each writing a fresh one that is then gathered and added).
 """
 import triton
 import triton.language as tl
@@ -64,3 +66,16 @@ def locate_work_rows(WorkOrder, WorkGlob, WorkRow, T, num_heads, GROUP: tl.const
     offs_m = tl.arange(0, BLOCK_M)
     q_row0 = (tl.load(WorkRow + w) + (pid % M_SPLIT) * BLOCK_M).to(tl.int64)
     return hq, hk, w, m_rel, offs_m, q_glob, q_row0, q_glob < T
+
+
+@triton.jit
+def store_grad(ptrs, grad, keep, ACCUMULATE: tl.constexpr):
+    """Store an fp32 gradient tile at ``ptrs`` (where ``keep``), added to what is there with ACCUMULATE."""
+    # The add is a relaxed atomic (sm_90: red.global.add.v4.f32, no value returned) rather than a load,
+    # an add and a store: loading the old dK and dV tiles beside the two fp32 accumulators spilled 12
+    # registers in the dK/dV kernel. Each address has one program per launch and launches are ordered,
+    # so the sum is old + new every time (deterministic; fp32 atomics flush subnormals to zero).
+    if ACCUMULATE:
+        tl.atomic_add(ptrs, grad, mask=keep, sem="relaxed")
+    else:
+        tl.store(ptrs, grad, mask=keep)

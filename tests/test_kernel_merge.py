@@ -97,3 +97,62 @@ def test_accumulate_with_no_tiles_keeps_state():
     out3, lse3 = attention_fwd(q, k, v, empty, km, out=torch.full_like(q, float("nan")),
                                lse=torch.full_like(lse, float("nan")))
     assert (out3 == 0).all() and torch.isneginf(lse3).all()
+
+
+@pytest.mark.parametrize("D", [16, 40])
+@settings(max_examples=6, deadline=None)
+@given(R=st.integers(1, 50), n=st.integers(0, 50), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), rows_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_merge_into_folds_a_partial_in_place_as_merge_partials_does(D, R, n, seed, dtype, rows_dtype):
+    """``merge_into``: partial row i folded into the running state at buffer row rows[i] (distinct rows in
+    any order, a subset of the buffer) gives, bit for bit, ``merge_partials`` of the running row and the
+    partial; every other row keeps its bits; empty rows on either side (LSE = -inf, O garbage) are
+    weightless, and both empty give (0, -inf). The torch backend's twin agrees."""
+    from blockattn.kernels import merge_into
+
+    g = torch.Generator().manual_seed(seed)
+    H = 3
+    n = min(n, R)
+    rows = torch.randperm(R, generator=g)[:n]
+    out = torch.randn(R, H, D, generator=g).to(dtype)
+    lse = torch.randn(H, R, generator=g) * 3
+    part_out = torch.randn(n, H, D, generator=g).to(dtype)
+    part_lse = torch.randn(H, n, generator=g) * 3
+    lse[torch.rand(H, R, generator=g) < 0.25] = float("-inf")
+    part_lse[torch.rand(H, n, generator=g) < 0.25] = float("-inf")
+    part_out[torch.isinf(part_lse).t()] = float("nan")  # an empty side's O must not leak in
+    want_out, want_lse = merge_partials([torch.nan_to_num(out[rows]), torch.nan_to_num(part_out)],
+                                        [lse[:, rows], part_lse])
+    got_out, got_lse = out.clone(), lse.clone()
+    assert merge_into(got_out, got_lse, rows.to(rows_dtype), part_out, part_lse)[0] is got_out
+    others = torch.ones(R, dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(got_out[rows], want_out) and torch.equal(got_lse[:, rows], want_lse)
+    assert torch.equal(got_out[others], out[others]) and torch.equal(got_lse[:, others], lse[:, others])
+    both_empty = torch.isinf(lse[:, rows]) & torch.isinf(part_lse)
+    assert torch.isneginf(got_lse[:, rows][both_empty]).all()
+    assert (got_out[rows].permute(1, 0, 2)[both_empty] == 0).all()
+    t_out, t_lse = out.clone(), lse.clone()
+    torch_backend.merge_into(t_out, t_lse, rows, torch.nan_to_num(part_out), part_lse)
+    torch.testing.assert_close(t_out.float(), got_out.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                               rtol=1e-2)
+    torch.testing.assert_close(t_lse, got_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_into_validates_its_arguments():
+    from blockattn.kernels import merge_into
+
+    out, lse = torch.zeros(8, 2, 16), torch.zeros(2, 8)
+    part, part_lse, rows = torch.zeros(3, 2, 16), torch.zeros(2, 3), torch.tensor([0, 5, 7])
+    with pytest.raises(ValueError, match=r"part_out \(3, 2, 8\) must be \[n, H=2, D=16\]"):
+        merge_into(out, lse, rows, torch.zeros(3, 2, 8), part_lse)
+    with pytest.raises(ValueError, match="rows must be a 1-D int32/int64 tensor with one buffer row per partial row"):
+        merge_into(out, lse, rows.float(), part, part_lse)
+    with pytest.raises(ValueError, match="rows must be a 1-D int32/int64 tensor"):
+        merge_into(out, lse, rows[:2], part, part_lse)
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, 8\), got 0..8"):
+        merge_into(out, lse, torch.tensor([0, 5, 8]), part, part_lse)
+    with pytest.raises(ValueError, match="part_lse must be fp32"):
+        merge_into(out, lse, rows, part, part_lse.double())
+    with pytest.raises(ValueError, match="out must be a \\[rows, H, D\\] fp16/bf16/fp32 tensor"):
+        merge_into(out.double(), lse, rows, part, part_lse)

@@ -214,3 +214,49 @@ def test_sub_tiled_configs_match_whole_block_tiles(spec_fn):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, equal_nan=False)
     torch.testing.assert_close(dk2, dk, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dv2, dv, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_backward_accumulate_adds_each_key_groups_gradients_in_place(backend):
+    """``accumulate=True`` (a distributed backward's stages): dQ / dK / dV of tiles split into two lists
+    (by kv-block, as stages split a rank's tiles) added into one fp32 buffer equal, bit for bit, the
+    buffer plus each list's fresh gradients, and add up to the whole mask's; rows outside the lists'
+    work blocks keep their values (GQA, a ragged last block, head dim 24 in tiles of 32)."""
+    import blockattn.kernels as triton_kernels
+
+    be = torch_backend if backend == "torch" else triton_kernels
+    spec = MaskSpec.documents([9, 41, 23]) & MaskSpec.sliding_window(73, 20)
+    B, T = 16, 73
+    q, k, v, dout = _inputs(T, 4, 2, 24, torch.float32, seed=6)
+    bm = spec.block_mask(B)
+    km = KernelMask.from_block_mask(bm)
+    out, lse = be.attention_fwd(q, k, v, TileList.from_block_mask(bm), km)
+    delta = be.attention_bwd_preprocess(out, dout)
+    tq, tk, full = bm.tiles()
+    whole_dq = be.attention_bwd_dq(q, k, v, dout, lse, delta, TileList.from_block_mask(bm), km)
+    whole_dk, whole_dv = be.attention_bwd_dkdv(q, k, v, dout, lse, delta, TileList.from_block_mask(bm, True), km)
+    g = torch.Generator().manual_seed(7)
+    start_q, start_k, start_v = (torch.randn(t.shape, generator=g) for t in (q, k, v))
+    dq, dk, dv = start_q.clone(), start_k.clone(), start_v.clone()
+    sum_q, sum_k, sum_v = start_q.clone(), start_k.clone(), start_v.clone()
+    for part in (tk % 2 == 0, tk % 2 == 1):
+        lists = (TileList.from_tiles(tq[part], tk[part], full[part], block_size=B),
+                 TileList.from_tiles(tk[part], tq[part], full[part], block_size=B))
+        fresh_q = be.attention_bwd_dq(q, k, v, dout, lse, delta, lists[0], km)
+        fresh_k, fresh_v = be.attention_bwd_dkdv(q, k, v, dout, lse, delta, lists[1], km)
+        rows_q = torch.cat([torch.arange(b * B, min(T, b * B + B)) for b in torch.unique(tq[part]).tolist()])
+        rows_k = torch.cat([torch.arange(b * B, min(T, b * B + B)) for b in torch.unique(tk[part]).tolist()])
+        sum_q[rows_q] += fresh_q[rows_q]
+        sum_k[rows_k] += fresh_k[rows_k]
+        sum_v[rows_k] += fresh_v[rows_k]
+        assert be.attention_bwd_dq(q, k, v, dout, lse, delta, lists[0], km, out=dq, accumulate=True) is dq
+        be.attention_bwd_dkdv(q, k, v, dout, lse, delta, lists[1], km, out=(dk, dv), accumulate=True)
+        for name, got, want in (("dq", dq, sum_q), ("dk", dk, sum_k), ("dv", dv, sum_v)):
+            assert torch.equal(got, want), f"{name}: accumulate is not the buffer plus the fresh gradients"
+    for name, got, start, whole in (("dq", dq, start_q, whole_dq), ("dk", dk, start_k, whole_dk),
+                                    ("dv", dv, start_v, whole_dv)):
+        torch.testing.assert_close(got - start, whole, atol=1e-5, rtol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="accumulate=True adds to the given gradient buffer"):
+        be.attention_bwd_dq(q, k, v, dout, lse, delta, TileList.from_block_mask(bm), km, accumulate=True)
+    with pytest.raises(ValueError, match="accumulate=True adds to the given gradient buffer"):
+        be.attention_bwd_dkdv(q, k, v, dout, lse, delta, TileList.from_block_mask(bm, True), km, accumulate=True)
