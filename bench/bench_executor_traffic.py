@@ -4,7 +4,8 @@ The distributed executor (blockattn/distributed.py) used to run each backward st
 into fresh full-size fp32 buffers (zero-filled: every buffer row, not only the stage's), gather the
 stage's work rows out of them and ``index_add_`` those into the accumulators; and to fold each received
 OUT partial by gathering the running rows, stacking them with the partial, merging and scattering the
-result back. The kernels now add in place (``accumulate=True``; ``merge_into``), bit for bit the same
+result back; and to sum each received dQ / dK / dV partial as ``index_add_`` of an fp32 copy of it. The
+kernels now add in place (``accumulate=True``; ``merge_into``; ``add_grad_rows``), bit for bit the same
 results. This benchmark counts, from the rank programs of real plans (the bench_planner batches: 128K
 tokens, Llama-3-8B heads, bf16, blocks of 128, dcp's plans), the device-memory bytes those passes moved,
 the fresh buffers they held and the launches they took, and prices the bytes at H200 HBM bandwidth
@@ -16,11 +17,13 @@ store (W), a gather (read W, write W) and ``index_add_`` (read W, read W, write 
 q rows, dK and dV over kv rows); now the kernel's read-add-write (2W): Z + 4W fewer, 4 bytes each. Per
 received OUT partial of n rows, with U = n x heads x head dim elements of the activation dtype and L = n x
 heads fp32: before, gather (2U, 2L), stack (4U, 4L), merge (3U, 3L), scatter (2U, 2L); now one pass (3U,
-3L): 8U + 8L fewer. Transient memory: the three fresh fp32 buffers of a backward stage (a floor: the
+3L): 8U + 8L fewer. Per received gradient partial sent in bf16 (``--grad-comm-dtype bfloat16``), the
+fp32 copy written and read again: 8 bytes per element fewer (none with fp32 partials, whose
+``.to(float32)`` was no copy). Transient memory: the three fresh fp32 buffers of a backward stage (a floor: the
 gathered rows came on top). Launches: per backward stage 3 fills, 3 gathers, 3 index_adds; per OUT
-section 2 gathers, 2 stacks, 2 scatters.
+section 2 gathers, 2 stacks, 2 scatters; per bf16 gradient partial tensor its conversion.
 
-    python bench/bench_executor_traffic.py [--quick] [--out bench/results/bench_executor_traffic.json]
+    python bench/bench_executor_traffic.py [--quick] [--grad-comm-dtype bfloat16] [--out PATH]
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from tqdm import tqdm
 from bench_planner import BLOCK, HEADS, SEQLENS, draw_batches, make_masks
 from blockattn.distributed import build_rank_program
 from blockattn.planner import Topology, clear_plan_cache, make_plan
-from blockattn.planner.schedule import KIND_OUT
+from blockattn.planner.schedule import KIND_DKV, KIND_DQ, KIND_OUT
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_executor_traffic.json"
 HBM_BW = 4.8e12  # H200 HBM3e, bytes/s
@@ -62,23 +65,37 @@ def rank_savings(plan, rank: int, block_mask) -> dict:
         w_q = _work_tokens(stage.q_tiles, plan.block_size, plan.total_len) * hq * d
         w_kv = _work_tokens(stage.kv_tiles, plan.block_size, plan.total_len) * hkv * d
         bwd_bytes += 4 * ((z_q + 4 * w_q) + 2 * (z_kv + 4 * w_kv))
-    fwd_bytes, sections = 0, 0
+    fwd_bytes, launches = 0, 9 * bwd_stages
     for exchange in prog.exchanges["fwd"]:
         for secs in exchange.recvs.values():
             for sec in secs:
                 if sec.kind == KIND_OUT:
                     n = sec.rows.numel()
-                    sections += 1
+                    launches += 6
                     fwd_bytes += 8 * n * hq * d * DTYPE.itemsize + 8 * n * hq * 4
+    if plan.grad_comm_dtype != torch.float32:
+        for exchange in prog.exchanges["bwd"]:
+            for secs in exchange.recvs.values():
+                for sec in secs:
+                    if sec.kind in (KIND_DQ, KIND_DKV):
+                        tensors = 1 if sec.kind == KIND_DQ else 2
+                        launches += tensors
+                        bwd_bytes += 8 * sec.rows.numel() * (hq if sec.kind == KIND_DQ else hkv) * d * tensors
     return {"fwd_bytes": fwd_bytes, "bwd_bytes": bwd_bytes, "transient_bytes": 4 * (z_q + 2 * z_kv) if bwd_stages else 0,
-            "launches": 9 * bwd_stages + 6 * sections, "buffer_rows": [prog.q_buf_rows, prog.kv_buf_rows]}
+            "launches": launches, "buffer_rows": [prog.q_buf_rows, prog.kv_buf_rows]}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one batch per source, 8 ranks only")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--grad-comm-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype of the plans' dQ/dK/dV partials on the wire")
+    ap.add_argument("--out", default=None, help="default bench/results/bench_executor_traffic.json "
+                    "(bench_executor_traffic_bf16grad.json with --grad-comm-dtype bfloat16)")
     args = ap.parse_args(argv)
+    grad = getattr(torch, args.grad_comm_dtype)
+    if args.out is None:
+        args.out = str(RESULTS if grad == torch.float32 else RESULTS.with_name("bench_executor_traffic_bf16grad.json"))
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     batches = draw_batches(rng, np.loadtxt(SEQLENS, dtype=np.int64), 128 * 1024, 1 if args.quick else 3)
@@ -94,7 +111,7 @@ def main(argv=None) -> None:
             for P, rpn in configs:
                 progress.update(1)
                 plan = make_plan(spec, P, block_size=BLOCK, topology=Topology(ranks_per_node=rpn), dtype=DTYPE,
-                                 **HEADS)
+                                 grad_comm_dtype=grad, **HEADS)
                 per_rank = [rank_savings(plan, r, bm) for r in range(P)]
                 stats = plan.stats()
                 step = stats["sim_time_fwd"] + stats["sim_time_bwd"]
@@ -123,7 +140,8 @@ def main(argv=None) -> None:
             "saved_gb_per_rank_median": float(np.median([c["saved_gb_per_rank_max"] for c in rows])),
             "transient_gb_per_rank_max": float(max(c["transient_gb_per_rank_max"] for c in rows)),
             "launches_per_rank_median": float(np.median([c["launches_per_rank_max"] for c in rows]))}
-    report = {"config": {"heads": HEADS, "dtype": "bfloat16", "block_size": BLOCK, "tokens": 128 * 1024,
+    report = {"config": {"heads": HEADS, "dtype": "bfloat16", "grad_comm_dtype": args.grad_comm_dtype,
+                         "block_size": BLOCK, "tokens": 128 * 1024,
                          "hbm_bytes_per_s": HBM_BW, "quick": args.quick, "host": platform.node()},
               "cases": cases, "summary": summary}
     out = Path(args.out)

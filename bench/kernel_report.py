@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 TORCH_TO_TT = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
-SMALL_KERNELS = ("merge", "merge_into", "preprocess")  # one row each, bf16 D=128
+# one row each, bf16 D=128: kind -> warps (blockattn.kernels.launch on CUDA, 64-row tiles)
+SMALL_KERNELS = {"merge": 8, "merge_into": 8, "preprocess": 4, "add_grad_rows": 4}
 
 
 def cuobjdump_path() -> Path | None:
@@ -80,8 +81,8 @@ def _signature(kind: str, dtype: str, D: int, B: int, cfg, group: int, even: boo
 
 
 def _small_kernel_signature(kind: str, dtype: str, D: int):
-    """(fn, signature, constexprs) of the merge, in-place merge and delta-preprocess kernels."""
-    from blockattn.kernels.backward import attention_bwd_preprocess_kernel
+    """(fn, signature, constexprs) of the merge, in-place merge, delta-preprocess and partial-add kernels."""
+    from blockattn.kernels.backward import add_grad_rows_kernel, attention_bwd_preprocess_kernel
     from blockattn.kernels.launch import block_d
     from blockattn.kernels.merge import merge_into_kernel, merge_partials_kernel
 
@@ -92,6 +93,9 @@ def _small_kernel_signature(kind: str, dtype: str, D: int):
     elif kind == "merge_into":
         fn = merge_into_kernel
         sig = {"Out": p, "Lse": "*fp32", "Rows": "*i64", "PartOut": p, "PartLse": "*fp32", "R": "i32"}
+    elif kind == "add_grad_rows":
+        fn = add_grad_rows_kernel
+        sig = {"Dst": "*fp32", "Rows": "*i64", "Src": p, "R": "i32"}
     else:
         fn = attention_bwd_preprocess_kernel
         sig = {"Out": p, "DOut": p, "Delta": "*fp32", "R": "i32"}
@@ -201,9 +205,8 @@ def main(argv=None):
         for variant, kw in variants.items():
             cfg = kernel_config(kind, B, D, torch.device("cuda"), softcap=kw.get("softcap", False))
             rows.append(_report_row(kind, dtype, D, B, cfg, variant, kw, tool))
-    for kind in SMALL_KERNELS:
-        # launch settings of blockattn.kernels.launch on CUDA: 64-row tiles, 8 warps (merges), 4 (delta)
-        cfg = KernelConfig(64, 64, 4 if kind == "preprocess" else 8, 1)
+    for kind, warps in SMALL_KERNELS.items():
+        cfg = KernelConfig(64, 64, warps, 1)
         rows.append(_report_row(kind, "bf16", 128, 128, cfg, "-", {}, tool))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Kernel backends: the six entry points the executors call, chosen by name, never silently.
+"""Kernel backends: the seven entry points the executors call, chosen by name, never silently.
 
 ``"triton"`` (default): blockattn.kernels — compiled on CUDA; on CPU only when TRITON_INTERPRET=1 was
 set before import (the interpreter). ``"torch"``: blockattn.torch_backend, the same functions in
@@ -18,7 +18,7 @@ BACKENDS = ("triton", "torch")
 
 @dataclass(frozen=True)
 class Backend:
-    """A named set of the six kernel entry points (signatures as in docs/design.md)."""
+    """A named set of the seven kernel entry points (signatures as in docs/design.md)."""
 
     name: str
     attention_fwd: Callable
@@ -27,6 +27,7 @@ class Backend:
     attention_bwd_preprocess: Callable
     attention_bwd_dq: Callable
     attention_bwd_dkdv: Callable
+    add_grad_rows: Callable
 
 
 def get_backend(name: str | Backend | None = None) -> Backend:
@@ -47,4 +48,4 @@ def get_backend(name: str | Backend | None = None) -> Backend:
     else:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
     return Backend(name, mod.attention_fwd, mod.merge_partials, mod.merge_into, mod.attention_bwd_preprocess,
-                   mod.attention_bwd_dq, mod.attention_bwd_dkdv)
+                   mod.attention_bwd_dq, mod.attention_bwd_dkdv, mod.add_grad_rows)

@@ -24,7 +24,8 @@ Forward: out/lse accumulate per q-block with the fused ``accumulate=True`` kerne
 arrive (the backend's ``merge_into``). Backward: the home computes delta = rowsum(dO * O) (minus dLSE
 when lse is an output too) and ships dO, lse, delta to the tile ranks; per stage the kernels add dQ
 (q-major lists) and dK/dV (kv-major lists) into the rank's fp32 accumulators (``accumulate=True``);
-partials of remote blocks go home in the plan's ``grad_comm_dtype`` and are summed there in fp32.
+partials of remote blocks go home in the plan's ``grad_comm_dtype`` and are summed there in fp32 as they
+arrive (``add_grad_rows``: converted and added in one pass).
 """
 from __future__ import annotations
 
@@ -40,78 +41,15 @@ import torch.distributed as dist
 from blockattn import comms
 from blockattn.attention import _capped, check_softmax_scale
 from blockattn.kernels.launch import check_softcap
-from blockattn.planner.schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_NAMES, KIND_OUT, KIND_Q
+from blockattn.planner.schedule import KIND_DKV, KIND_DO, KIND_DQ, KIND_KV, KIND_OUT, KIND_Q
+from blockattn.rank_program import RankProgram, _Exchange, _Section, build_rank_program
 
 __all__ = ["distributed_block_attention", "check_plan_agreement", "rank_program", "build_rank_program", "RankProgram"]
 
-_INPUT_KINDS = {"fwd": (KIND_Q, KIND_KV), "bwd": (KIND_DO,)}
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 # ----------------------------------------------------------------------------- the rank program
-@dataclass(frozen=True)
-class _Section:
-    """All blocks of one kind in one message: their token rows in this rank's buffers."""
-
-    kind: int
-    blocks: torch.Tensor  # int64 global block indices, row order
-    rows: torch.Tensor  # int64 token rows in this rank's buffer (concatenated over blocks)
-
-
-@dataclass(frozen=True)
-class _Exchange:
-    sends: dict  # peer -> list[_Section]  (rows: where to read)
-    recvs: dict  # peer -> list[_Section]  (rows: where to write / fold)
-    recv_nbytes: dict  # peer -> int
-    send_nbytes: dict  # peer -> int
-
-
-@dataclass(frozen=True)
-class _Stage:
-    q_tiles: object  # TileList (q-major: forward, dQ) or None when the rank has no tile in this stage
-    kv_tiles: object  # TileList (kv-major: dK/dV; backward stages only) or None
-
-
-@dataclass(frozen=True)
-class RankProgram:
-    """Everything one rank needs to run a plan: buffer layout, per-stage tile lists, exchanges."""
-
-    rank: int
-    n_local: int
-    q_buf_rows: int
-    kv_buf_rows: int
-    stages: tuple  # forward: _Stage per stage (q-major tiles)
-    stages_bwd: tuple  # backward: _Stage per backward stage (q-major and kv-major tiles)
-    exchanges: dict  # "fwd"/"bwd" -> tuple[_Exchange] of length S + 1
-    planned_bytes: dict  # "fwd"/"bwd" -> bytes this rank sends
-    grad_dtype: torch.dtype  # dQ / dK / dV partials on the wire (plan.grad_comm_dtype)
-
-
-def _token_rows(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """Concatenated ranges [start, start + len) (int64)."""
-    starts, lens = starts.to(torch.int64), lens.to(torch.int64)
-    total = int(lens.sum())
-    if total == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    offsets = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    return torch.repeat_interleave(starts, lens) + offsets
-
-
-def _partial_bits_index(bm, tq: torch.Tensor, tkv: torch.Tensor) -> torch.Tensor | None:
-    """Position of each tile in the BlockMask's q-major partial list (the KernelMask.bits index), -1 for
-    FULL tiles; None when the mask has intervals (kernels then need no bits)."""
-    if bm.row_intervals is not None or bm.part_bits is None:
-        return None
-    nB = bm.num_blocks
-    counts = (bm.part_kv_ptr[1:] - bm.part_kv_ptr[:-1]).to(torch.int64)
-    keys = torch.repeat_interleave(torch.arange(nB, dtype=torch.int64), counts) * nB + bm.part_kv_idx.to(torch.int64)
-    want = tq.to(torch.int64) * nB + tkv.to(torch.int64)
-    if keys.numel() == 0:
-        return torch.full_like(want, -1)
-    pos = torch.searchsorted(keys, want).clamp(max=keys.numel() - 1)
-    return torch.where(keys[pos] == want, pos, torch.full_like(pos, -1))
-
-
 _PROGRAMS: dict = {}
 _FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -134,136 +72,6 @@ def rank_program(plan, rank: int, block_mask, device) -> RankProgram:
             _PROGRAMS.clear()
         _PROGRAMS[key] = prog
     return prog
-
-
-def build_rank_program(plan, me: int, bm, device: torch.device) -> RankProgram:
-    """Rank `me`'s buffer layout, per-stage tile lists and exchanges for `plan` (bm: its BlockMask)."""
-    from blockattn.kernels import TileList
-
-    B, nB, T, S = plan.block_size, plan.num_blocks, plan.total_len, plan.num_stages
-    lens = (T - torch.arange(nB, dtype=torch.int64) * B).clamp(max=B)
-    local = plan.local_blocks[me].to(torch.int64)
-    local_start = torch.cumsum(lens[local], 0) - lens[local]
-    n_local = int(lens[local].sum())
-    expect_tokens = _token_rows(local * B, lens[local])
-    if not torch.equal(plan.local_tokens(me).to(torch.int64).cpu(), expect_tokens):
-        raise ValueError(f"plan.local_tokens({me}) does not list the tokens of plan.local_blocks[{me}] in order")
-
-    # Buffer rows of every block on this rank: local first, then received blocks in schedule row order.
-    q_row = torch.full((nB,), -1, dtype=torch.int64)
-    kv_row = torch.full((nB,), -1, dtype=torch.int64)
-    q_row[local] = local_start
-    kv_row[local] = local_start
-    fwd, bwd = plan.schedule.fwd.to(torch.int64), plan.schedule.bwd.to(torch.int64)
-    arrival_q = torch.full((nB,), -1, dtype=torch.int64)
-    arrival_kv = torch.full((nB,), -1, dtype=torch.int64)
-    arrival_q[local] = 0
-    arrival_kv[local] = 0
-    q_end = kv_end = n_local
-    for stage, _src, _dst, kind, block in fwd[(fwd[:, 2] == me) & (fwd[:, 3] <= KIND_KV)].tolist():
-        rows, arrival = (q_row, arrival_q) if kind == KIND_Q else (kv_row, arrival_kv)
-        if rows[block] >= 0:
-            raise ValueError(f"plan {plan.strategy}: rank {me} receives {KIND_NAMES[kind]} block {block} twice")
-        if kind == KIND_Q:
-            rows[block], q_end = q_end, q_end + int(lens[block])
-        else:
-            rows[block], kv_end = kv_end, kv_end + int(lens[block])
-        arrival[block] = stage
-
-    # The backward's only inputs: dO (+ lse, delta) of remote q-blocks, in their first backward stage.
-    arrival_do = torch.full((nB,), -1, dtype=torch.int64)
-    arrival_do[local] = 0
-    for stage, _src, _dst, _kind, block in bwd[(bwd[:, 2] == me) & (bwd[:, 3] == KIND_DO)].tolist():
-        arrival_do[block] = stage
-
-    # Per-stage tile lists in buffer coordinates: forward stages (q-major) and backward stages
-    # (q-major for dQ, kv-major for dK/dV); a tile's backward stage is its own (plan.tile_stage_bwd).
-    mine = plan.tile_rank.to(torch.int64) == me
-    tq_all, tkv_all = plan.tile_q.to(torch.int64), plan.tile_kv.to(torch.int64)
-    full_all = plan.tile_full.to(torch.bool)
-
-    def stage_lists(stage_all: torch.Tensor, s: int, backward: bool) -> _Stage:
-        sel = mine & (stage_all == s)
-        tq, tkv, tfull = tq_all[sel], tkv_all[sel], full_all[sel]
-        if tq.numel() == 0:
-            return _Stage(None, None)
-        if backward:  # Q and KV were received in the forward and kept; dO must be here by now
-            late = (arrival_q[tq] < 0) | (arrival_kv[tkv] < 0) | (arrival_do[tq] < 0) | (arrival_do[tq] > s)
-        else:
-            late = (arrival_q[tq] < 0) | (arrival_q[tq] > s) | (arrival_kv[tkv] < 0) | (arrival_kv[tkv] > s)
-        if bool(late.any()):
-            i = int(torch.nonzero(late)[0])
-            raise ValueError(
-                f"plan {plan.strategy}: rank {me} computes tile ({int(tq[i])}, {int(tkv[i])}) in "
-                f"{'backward' if backward else 'forward'} stage {s} but does not hold its inputs by then "
-                f"(inconsistent plan; run planner.schedule.check_plan)")
-        bits = _partial_bits_index(bm, tq, tkv)
-        q_major = TileList.from_tiles(tq, tkv, tfull, block_size=B, work_row_of=q_row, partner_row_of=kv_row,
-                                      bits_index=bits, device=device)
-        kv_major = TileList.from_tiles(tkv, tq, tfull, block_size=B, work_row_of=kv_row, partner_row_of=q_row,
-                                       bits_index=bits, device=device) if backward else None
-        return _Stage(q_major, kv_major)
-
-    stages = tuple(stage_lists(plan.tile_stage.to(torch.int64), s, False) for s in range(S))
-    stages_bwd = tuple(stage_lists(plan.tile_stage_bwd.to(torch.int64), s, True) for s in range(S))
-
-    exchanges, planned = {}, {}
-    for direction, table in (("fwd", fwd), ("bwd", bwd)):
-        _check_stages(plan, direction, table)
-        # payload bytes of every row by the plan's own rule (planner/schedule.py payload_bytes, as stats())
-        nbytes = torch.from_numpy(plan.transfer_bytes(direction))
-        exchanges[direction] = tuple(
-            _exchange(table, nbytes, direction, j, me, q_row, kv_row, lens, device)
-            for j in range(S + 1))
-        planned[direction] = int(nbytes[table[:, 1] == me].sum())
-    return RankProgram(me, n_local, q_end, kv_end, stages, stages_bwd, exchanges, planned, plan.grad_comm_dtype)
-
-
-def _check_stages(plan, direction: str, table: torch.Tensor) -> None:
-    """Inputs must arrive in stages 1..S-1 and results leave in stages 1..S (the executor's contract)."""
-    S = plan.num_stages
-    is_input = torch.isin(table[:, 3], torch.tensor(_INPUT_KINDS[direction]))
-    last = torch.where(is_input, S - 1, S)
-    bad = (table[:, 0] < 1) | (table[:, 0] > last)
-    if bool(bad.any()):
-        row = table[torch.nonzero(bad)[0, 0]].tolist()
-        raise ValueError(f"plan {plan.strategy}: {direction} transfer (stage, src, dst, kind, block)={row} has a stage "
-                         f"outside the executor's range (inputs 1..{S - 1}, results 1..{S})")
-
-
-def _exchange(table, table_nbytes, direction, j, me, q_row, kv_row, lens, device) -> _Exchange:
-    """Exchange j of `direction`: inputs of stage j + 1 and results of stage j, as sections per peer
-    (``table_nbytes``: the payload bytes of every row of ``table``)."""
-    is_input = torch.isin(table[:, 3], torch.tensor(_INPUT_KINDS[direction]))
-    in_ex = (is_input & (table[:, 0] == j + 1)) | (~is_input & (table[:, 0] == j))
-    mine = in_ex & ((table[:, 1] == me) | (table[:, 2] == me))
-    rows, row_nbytes = table[mine], table_nbytes[mine]
-    sends, recvs, recv_nbytes, send_nbytes = {}, {}, {}, {}
-    for sending in (True, False):
-        on_side = rows[:, 1] == me if sending else rows[:, 2] == me
-        side, side_nbytes = rows[on_side], row_nbytes[on_side]
-        peer_col = 2 if sending else 1
-        for peer in torch.unique(side[:, peer_col]).tolist():
-            msg = side[side[:, peer_col] == peer]
-            sections, nbytes = [], int(side_nbytes[side[:, peer_col] == peer].sum())
-            # rows are sorted by (stage, src, dst, kind, block): each (stage, kind) group is contiguous
-            group_key = msg[:, 0] * 8 + msg[:, 3]
-            for key in torch.unique_consecutive(group_key).tolist():
-                blocks = msg[group_key == key][:, 4]
-                kind = key % 8
-                # q buffer for Q/OUT/DO/DQ, kv buffer for KV/DKV. Local blocks sit at their local rows
-                # (q_row[local] == kv_row[local] == local_start), received ones at their gathered rows,
-                # so one lookup serves the home, the tile rank and a relay (which forwards received KV
-                # and sums its children's DKV partials into its own rows of the block) alike.
-                starts = (kv_row if kind in (KIND_KV, KIND_DKV) else q_row)[blocks]
-                if bool((starts < 0).any()):
-                    raise ValueError(f"{direction} exchange {j}: rank {me} has no buffer row for "
-                                     f"{KIND_NAMES[kind]} blocks {blocks[starts < 0].tolist()}")
-                tok = _token_rows(starts, lens[blocks])
-                sections.append(_Section(kind, blocks, tok.to(device)))
-            (sends if sending else recvs)[peer] = sections
-            (send_nbytes if sending else recv_nbytes)[peer] = nbytes
-    return _Exchange(sends, recvs, recv_nbytes, send_nbytes)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -405,10 +213,10 @@ class _DistributedAttention(torch.autograd.Function):
                     if sec.kind == KIND_DO:
                         dout_b[r], lse_b[:, r], delta_b[:, r] = parts
                     elif sec.kind == KIND_DQ:
-                        dq.index_add_(0, r, parts[0].to(torch.float32))
+                        be.add_grad_rows(dq, r, parts[0])
                     else:
-                        dk.index_add_(0, r, parts[0].to(torch.float32))
-                        dv.index_add_(0, r, parts[1].to(torch.float32))
+                        be.add_grad_rows(dk, r, parts[0])
+                        be.add_grad_rows(dv, r, parts[1])
         return dq[:n].to(qb.dtype), dk[:n].to(kb.dtype), dv[:n].to(vb.dtype), None
 
 
@@ -529,7 +337,7 @@ def _resolve_backend(backend):
 
         return get_backend(backend)
     for fn in ("attention_fwd", "merge_partials", "merge_into", "attention_bwd_preprocess", "attention_bwd_dq",
-               "attention_bwd_dkdv"):
+               "attention_bwd_dkdv", "add_grad_rows"):
         if not callable(getattr(backend, fn, None)):
             raise TypeError(f"backend must be 'triton', 'torch' or an object with {fn}(); got {type(backend).__name__}")
     return backend

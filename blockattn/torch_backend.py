@@ -1,4 +1,4 @@
-"""Pure-torch blockwise backend: the six kernel entry points over the same TileList / KernelMask.
+"""Pure-torch blockwise backend: the seven kernel entry points over the same TileList / KernelMask.
 
 A reference for the Triton kernels and an explicit CPU backend (``backend="torch"``). Each work block
 gathers its partner blocks' rows and does one dense fp32 softmax over them (no online softmax needed),
@@ -16,7 +16,7 @@ from blockattn.kernels.launch import check_accumulate, check_softcap
 from blockattn.kernels.tiles import KernelMask, TileList
 
 __all__ = ["attention_fwd", "merge_partials", "merge_into", "attention_bwd_preprocess", "attention_bwd_dq",
-           "attention_bwd_dkdv"]
+           "attention_bwd_dkdv", "add_grad_rows"]
 
 
 def _scale(scale, D):
@@ -255,3 +255,8 @@ def attention_bwd_dkdv(q, k, v, dout, lse, delta, tiles_t: TileList, mask: Kerne
         dk[k_rows] = dk[k_rows] + dk_w if accumulate else dk_w
         dv[k_rows] = dv[k_rows] + dv_w if accumulate else dv_w
     return dk, dv
+
+
+def add_grad_rows(dst, rows, src):
+    """Torch twin of ``blockattn.kernels.add_grad_rows``: ``dst.index_add_`` of ``src`` in fp32."""
+    return dst.index_add_(0, rows.long(), src.to(torch.float32))

@@ -43,6 +43,24 @@ def attention_bwd_preprocess_kernel(
 
 
 @triton.jit
+def add_grad_rows_kernel(
+    Dst, Rows, Src, R, stride_dt, stride_dh, stride_st, stride_sh,
+    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Dst[Rows[i]] += Src[i] in fp32: a received dQ / dK / dV partial (in the plan's grad_comm_dtype) summed
+    into a home's or relay's buffer, its conversion and its add in one pass (rows distinct: no atomics)."""
+    i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.program_id(1)
+    valid = i < R
+    offs_d = tl.arange(0, BLOCK_D)
+    keep = row_col_mask(valid, offs_d, HEAD_DIM, HEAD_DIM == BLOCK_D)
+    rows = tl.load(Rows + i, mask=valid, other=0).to(tl.int64)
+    src = tl.load(Src + i.to(tl.int64)[:, None] * stride_st + h * stride_sh + offs_d[None, :], mask=keep, other=0.0)
+    ptrs = Dst + rows[:, None] * stride_dt + h * stride_dh + offs_d[None, :]
+    tl.store(ptrs, tl.load(ptrs, mask=keep, other=0.0) + src.to(tl.float32), mask=keep)
+
+
+@triton.jit
 def attention_bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ,
     WorkOrder, WorkRow, WorkGlob, FullPtr, FullRow, FullGlob, PartPtr, PartRow, PartGlob, PartBits,

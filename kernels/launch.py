@@ -14,14 +14,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .backward import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel, attention_bwd_preprocess_kernel
+from .backward import (add_grad_rows_kernel, attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,
+                       attention_bwd_preprocess_kernel)
 from .forward import attention_fwd_kernel
 from .merge import merge_into_kernel, merge_partials_kernel
 from .tiles import KernelMask, TileList
 
 __all__ = ["KernelConfig", "kernel_config", "block_d", "MAX_HEAD_DIM", "check_positive", "check_softcap",
            "check_accumulate", "interpreted", "attention_fwd", "merge_partials", "merge_into",
-           "attention_bwd_preprocess", "attention_bwd_dq", "attention_bwd_dkdv"]
+           "attention_bwd_preprocess", "attention_bwd_dq", "attention_bwd_dkdv", "add_grad_rows"]
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -341,6 +342,41 @@ def attention_bwd_preprocess(out, dout):
         out, dout, delta, R, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
         BLOCK_R=block_r, HEAD_DIM=D, BLOCK_D=block_d(D), num_warps=4)
     return delta
+
+
+def add_grad_rows(dst, rows, src):
+    """``dst[rows[i]] += src[i]`` in fp32, in place (a received gradient partial summed into its buffer: the
+    same bits as ``dst.index_add_(0, rows, src.float())`` without the fp32 copy of ``src``). ``dst`` [R, H, D]
+    fp32 contiguous, ``src`` [n, H, D] fp16/bf16/fp32 (unit last stride), ``rows`` [n] int32/int64
+    distinct buffer rows in [0, R). Returns ``dst``."""
+    if not isinstance(dst, Tensor) or dst.dim() != 3 or dst.dtype != torch.float32 or not dst.is_contiguous():
+        raise ValueError(f"add_grad_rows: dst must be a contiguous fp32 [rows, H, D] tensor, got "
+                         f"{getattr(dst, 'dtype', type(dst).__name__)} {tuple(getattr(dst, 'shape', ()))}")
+    R, H, D = dst.shape
+    if not isinstance(src, Tensor) or src.dim() != 3 or tuple(src.shape[1:]) != (H, D) \
+            or src.dtype not in SUPPORTED_DTYPES or src.stride(-1) != 1:
+        raise ValueError(f"add_grad_rows: src must be a [n, H={H}, D={D}] fp16/bf16/fp32 tensor with unit last stride, "
+                         f"got {getattr(src, 'dtype', type(src).__name__)} {tuple(getattr(src, 'shape', ()))}")
+    n = src.shape[0]
+    if not isinstance(rows, Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) \
+            or rows.numel() != n:
+        raise ValueError(f"add_grad_rows: rows must be a 1-D int32/int64 tensor with one buffer row per src row "
+                         f"({n}), got {getattr(rows, 'dtype', type(rows).__name__)} {tuple(getattr(rows, 'shape', ()))}")
+    if src.device != dst.device or rows.device != dst.device:
+        raise ValueError(f"add_grad_rows: dst on {dst.device}, src on {src.device}, rows on {rows.device}; "
+                         "move them to one device")
+    if n == 0:
+        return dst
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"add_grad_rows: head dim must be in [1, {MAX_HEAD_DIM}], got {D}")
+    if rows.device.type == "cpu" and (int(rows.min()) < 0 or int(rows.max()) >= R):
+        raise ValueError(f"add_grad_rows: rows must lie in [0, {R}), got {int(rows.min())}..{int(rows.max())}")
+    _require_runnable(dst.device)
+    block_r = 64 if dst.device.type == "cuda" else 32
+    add_grad_rows_kernel[(triton_cdiv(n, block_r), H)](
+        dst, rows.contiguous(), src, n, dst.stride(0), dst.stride(1), src.stride(0), src.stride(1),
+        BLOCK_R=block_r, HEAD_DIM=D, BLOCK_D=block_d(D), num_warps=4)
+    return dst
 
 
 def _bwd_common(q, k, v, dout, lse, delta, tiles, mask):

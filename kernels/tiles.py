@@ -26,7 +26,8 @@ def _as_int32(name: str, value, device=None) -> Tensor:
         t = torch.as_tensor(value, dtype=torch.int64)
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
-    if t.numel() and (int(t.min()) < -(2**31) or int(t.max()) >= 2**31):
+    # (int32 fits by construction: no range check, which on a GPU tensor would wait for the device)
+    if t.dtype != torch.int32 and t.numel() and (int(t.min()) < -(2**31) or int(t.max()) >= 2**31):
         raise ValueError(f"{name} does not fit int32 (range {int(t.min())}..{int(t.max())})")
     return t.to(device=device if device is not None else t.device, dtype=torch.int32).contiguous()
 

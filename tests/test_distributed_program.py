@@ -119,3 +119,41 @@ def test_from_bytes_reads_any_offset(offset, dtype, n):
     x = torch.randn(n, 3).to(dtype)
     buf = torch.cat([torch.zeros(offset, dtype=torch.uint8), as_bytes(x), torch.zeros(3, dtype=torch.uint8)])
     assert torch.equal(from_bytes(buf, offset, (n, 3), dtype), x)
+
+
+def test_rank_program_for_a_device_is_the_host_program_in_one_copy_per_dtype():
+    """Built for another device (here "meta": tensors without data, so any read of a device value on the
+    way - a range check, a ``.item()`` - would raise), the program is the host one, its index tensors
+    views of one copy per dtype (int32 tile lists, int64 message rows), not a copy per tensor."""
+    spec = MaskSpec.documents([120, 37, 143]) & MaskSpec.sliding_window(300, 90)
+    plan = random_plan(spec, 3, seed=1, block_size=32, **HEADS)
+    bm = spec.block_mask(32)
+    fields = ("work_row", "work_glob", "full_ptr", "full_row", "full_glob", "part_ptr", "part_row", "part_glob",
+              "part_bits")
+    for rank in range(3):
+        host = build_rank_program(plan, rank, bm, torch.device("cpu"))
+        meta = build_rank_program(plan, rank, bm, torch.device("meta"))
+        tiles = [(a, b) for sh, sm in zip(host.stages + host.stages_bwd, meta.stages + meta.stages_bwd)
+                 for a, b in ((sh.q_tiles, sm.q_tiles), (sh.kv_tiles, sm.kv_tiles))]
+        assert all((a is None) == (b is None) for a, b in tiles) and any(a is not None for a, _ in tiles)
+        moved = []
+        for a, b in tiles:
+            for f in fields if a is not None else ():
+                x, y = getattr(a, f), getattr(b, f)
+                assert y.device.type == "meta" and y.dtype == x.dtype == torch.int32 and y.shape == x.shape
+                moved.append(y)
+        rows = []
+        for d in ("fwd", "bwd"):
+            for eh, em in zip(host.exchanges[d], meta.exchanges[d]):
+                for side in ("sends", "recvs"):
+                    sh, sm = getattr(eh, side), getattr(em, side)
+                    assert list(sh) == list(sm)
+                    for peer in sh:
+                        for a, b in zip(sh[peer], sm[peer]):
+                            assert a.kind == b.kind and torch.equal(a.blocks, b.blocks)
+                            assert b.rows.device.type == "meta" and b.rows.shape == a.rows.shape
+                            rows.append(b.rows)
+        assert rows and (host.q_buf_rows, host.kv_buf_rows, host.planned_bytes) == \
+            (meta.q_buf_rows, meta.kv_buf_rows, meta.planned_bytes)
+        for group in (moved, rows):
+            assert len({id(t._base) for t in group}) == 1 and all(t._base is not None for t in group)

@@ -44,6 +44,6 @@ def test_main_configs_have_no_spills_and_use_hgmma(tmp_path):
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{name} spills: {r}"
         assert r["hgmma"] > 0, f"{name} has no HGMMA (tensor cores unused): {r}"
         assert r["registers"] <= 255 and r["shared_bytes"] <= 227 * 1024, f"{name} over sm_90 limits: {r}"
-    small = {r["kernel"]: r for r in rows if r["kernel"] in ("merge", "merge_into", "preprocess")}
-    assert set(small) == {"merge", "merge_into", "preprocess"}
+    small = {r["kernel"]: r for r in rows if r["kernel"] not in ("fwd", "dq", "dkdv")}
+    assert set(small) == {"merge", "merge_into", "preprocess", "add_grad_rows"}
     assert all(r["spill_stores"] == 0 for r in small.values())

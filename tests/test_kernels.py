@@ -260,3 +260,30 @@ def test_backward_accumulate_adds_each_key_groups_gradients_in_place(backend):
         be.attention_bwd_dq(q, k, v, dout, lse, delta, TileList.from_block_mask(bm), km, accumulate=True)
     with pytest.raises(ValueError, match="accumulate=True adds to the given gradient buffer"):
         be.attention_bwd_dkdv(q, k, v, dout, lse, delta, TileList.from_block_mask(bm, True), km, accumulate=True)
+
+
+@pytest.mark.parametrize("D, src_dtype, rows_dtype", [(16, torch.bfloat16, torch.int64), (40, torch.float16, torch.int32),
+                                                      (24, torch.float32, torch.int64)])
+def test_add_grad_rows_is_index_add_of_the_fp32_partial(D, src_dtype, rows_dtype):
+    """``add_grad_rows`` (a received dQ / dK / dV partial summed into its buffer): the bits of
+    ``dst.index_add_(0, rows, src.float())`` at distinct rows in any order; other rows and the head-dim
+    padding untouched; the torch twin is that index_add_. Bad arguments raise with the shapes."""
+    from blockattn.kernels import add_grad_rows
+
+    g = torch.Generator().manual_seed(D)
+    dst = torch.randn(50, 3, D, generator=g)
+    rows = torch.randperm(50, generator=g)[:37]
+    src = torch.randn(37, 3, D, generator=g).to(src_dtype)
+    want = dst.clone().index_add_(0, rows, src.float())
+    got = dst.clone()
+    assert add_grad_rows(got, rows.to(rows_dtype), src) is got
+    assert torch.equal(got, want)
+    assert torch.equal(torch_backend.add_grad_rows(dst.clone(), rows, src), want)
+    with pytest.raises(ValueError, match="dst must be a contiguous fp32"):
+        add_grad_rows(dst.to(torch.bfloat16), rows, src)
+    with pytest.raises(ValueError, match=r"src must be a \[n, H=3, D=%d\]" % D):
+        add_grad_rows(dst, rows, src[:, :2])
+    with pytest.raises(ValueError, match="one buffer row per src row"):
+        add_grad_rows(dst, rows[:5], src)
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, 50\)"):
+        add_grad_rows(dst, rows + 20, src)
