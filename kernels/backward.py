@@ -5,7 +5,8 @@ s2 = qk_scale * q.k with qk_scale = scale * log2 e, lse2 = LSE * log2 e, so P = 
 delta = rowsum(O * dO); dS = P * (dP - delta) with dP = dO.V^T; dQ = scale * dS.K, dK = scale * dS^T.Q,
 dV = P^T.dO. SOFTCAP (kernels/mask_tile.py): s2 = cap * tanh(qk_scale * q.k), and dS is taken through
 the tanh (times 1 - t^2) before it meets K or Q. Rows with LSE = -inf (no unmasked key) use lse2 = +inf so that P = 0 (no NaN).
-dK/dV programs own one kv head and loop over its GROUP q heads: deterministic, no atomics.
+dK/dV programs own one kv head and loop over its GROUP q heads, so every gradient tile has one program:
+deterministic (ACCUMULATE's adds are atomics, but no two programs meet at an address).
 All gradients are written in fp32; rows past T are neither read nor written, nor are the columns of
 the BLOCK_D-wide head-dim tiles past HEAD_DIM (kernels/tile_io.py: they read as 0). ACCUMULATE adds
 them to the fp32 rows already in DQ / DK / DV (``store_grad``): a distributed backward sums its stages
