@@ -282,6 +282,8 @@ class _TileLists:
 class _Mover:
     """Moves many small host arrays / tensors to one device in one copy per dtype (views of it come back)."""
 
+    ALIGN = 16  # bytes: every view starts on a 16-byte boundary, as a tensor of its own would
+
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
 
@@ -290,9 +292,24 @@ class _Mover:
         if self.device.type == "cpu":
             return tensors
         out = [None] * len(tensors)
-        for dtype in {t.dtype for t in tensors}:
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
             which = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-            flat = torch.cat([tensors[i].reshape(-1) for i in which]).to(self.device, non_blocking=False)
-            for i, piece in zip(which, torch.split(flat, [tensors[i].numel() for i in which])):
-                out[i] = piece.view(tensors[i].shape)
+            flat, starts = aligned_flat([tensors[i].numpy() for i in which], self.ALIGN)
+            flat = torch.from_numpy(flat).to(self.device)
+            for i, start in zip(which, starts.tolist()):
+                out[i] = flat[start:start + tensors[i].numel()].view(tensors[i].shape)
         return out
+
+
+def aligned_flat(arrays: list, align: int) -> tuple[np.ndarray, np.ndarray]:
+    """(flat, starts): ``arrays`` (one dtype) copied into one flat array, array k at ``starts[k]``, each start
+    a multiple of ``align`` bytes. Triton specializes a kernel on whether each pointer is 16-byte aligned:
+    views at arbitrary offsets would compile a new variant of each attention kernel for every new pattern
+    of aligned and unaligned tile-list pointers, batch after batch."""
+    step = max(1, align // arrays[0].itemsize)
+    sizes = [a.size for a in arrays]
+    starts = np.concatenate(([0], np.cumsum([-(-n // step) * step for n in sizes])))
+    flat = np.zeros(int(starts[-1]), dtype=arrays[0].dtype)
+    for a, start, n in zip(arrays, starts.tolist(), sizes):
+        flat[start:start + n] = a.reshape(-1)
+    return flat, starts[:-1]

@@ -7,6 +7,7 @@ addresses buffer rows that hold exactly the global tokens it claims; received bl
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -157,3 +158,16 @@ def test_rank_program_for_a_device_is_the_host_program_in_one_copy_per_dtype():
             (meta.q_buf_rows, meta.kv_buf_rows, meta.planned_bytes)
         for group in (moved, rows):
             assert len({id(t._base) for t in group}) == 1 and all(t._base is not None for t in group)
+            # each view 16-byte aligned in its copy (Triton compiles a kernel variant per pointer alignment)
+            assert all(t.storage_offset() * t.element_size() % 16 == 0 for t in group)
+
+
+def test_aligned_flat_keeps_every_array_and_aligns_its_start():
+    from blockattn.rank_program import aligned_flat
+
+    for dtype in (np.int32, np.int64):
+        arrays = [np.arange(n, dtype=dtype) * 7 + n for n in (0, 1, 3, 4, 5, 17, 0, 2)]
+        flat, starts = aligned_flat(arrays, 16)
+        assert flat.dtype == dtype and starts.size == len(arrays)
+        for a, start in zip(arrays, starts.tolist()):
+            assert start * flat.itemsize % 16 == 0 and np.array_equal(flat[start:start + a.size], a)
