@@ -33,7 +33,8 @@ from blockattn.backend import get_backend
 from blockattn.distributed import _kernel_mask
 from blockattn.planner import Topology, make_plan
 from blockattn.planner.schedule import KIND_DKV, KIND_DQ, KIND_OUT
-from blockattn.rank_program import build_rank_program, token_rows
+from blockattn.planner.placement import concatenated_ranges
+from blockattn.rank_program import build_rank_program
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_executor_gpu.json"
 
@@ -57,7 +58,8 @@ def _timer(device: torch.device):
 def _work_rows(tiles, block: int, total: int, device) -> torch.Tensor:
     """Token rows of a tile list's work blocks (what the old path gathered and index-added)."""
     glob = tiles.work_glob.cpu().numpy().astype(np.int64)
-    return torch.from_numpy(token_rows(tiles.work_row.cpu().numpy(), np.minimum(block, total - glob))).to(device)
+    rows = concatenated_ranges(tiles.work_row.cpu().numpy(), np.minimum(block, total - glob))
+    return torch.from_numpy(rows).to(device)
 
 
 def _sections(prog, direction: str, kinds) -> list:

@@ -9,9 +9,10 @@ and the results of stage j (blockattn/distributed.py).
 
 Why built in numpy and moved in two copies: a new batch has a new plan, so every training step builds its
 rank's program before its first attention layer runs. Built with a torch call per peer, section and
-block (and a ``.to(device)`` per tensor) it took 24-76 ms a rank at 128K tokens (8-32 ranks), several
-times the plan's own 4-5 ms; here the rows are grouped with a sort, the tile lists are built on the host
-and every index tensor reaches the device in one copy per dtype.
+block (and a ``.to(device)`` per tensor) it took 17-80 ms a rank at 128K tokens (8-32 ranks, median over
+the ranks), several times the plan's own 4-5 ms; here the rows are grouped with a sort, the tile lists
+are built on the host (``TileList.from_tiles``, in numpy) and every index tensor reaches the device in one
+copy per dtype.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from blockattn.planner.placement import concatenated_ranges
 from blockattn.planner.schedule import KIND_DKV, KIND_DO, KIND_KV, KIND_NAMES, KIND_Q
 
 __all__ = ["RankProgram", "build_rank_program", "INPUT_KINDS"]
@@ -65,15 +67,6 @@ class RankProgram:
     grad_dtype: torch.dtype  # dQ / dK / dV partials on the wire (plan.grad_comm_dtype)
 
 
-def token_rows(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """int64: the concatenated ranges [start, start + len)."""
-    starts, lens = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)
-    total = int(lens.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
-
-
 def _partial_bits_index(bm, tq: np.ndarray, tkv: np.ndarray) -> np.ndarray | None:
     """Position of each tile in the BlockMask's q-major partial list (the KernelMask.bits index), -1 for
     FULL tiles; None when the mask has intervals (kernels then need no bits)."""
@@ -116,7 +109,8 @@ def build_rank_program(plan, me: int, bm, device: torch.device) -> RankProgram:
     local = plan.local_blocks[me].numpy().astype(np.int64)
     local_start = np.cumsum(lens[local]) - lens[local]
     n_local = int(lens[local].sum())
-    if not np.array_equal(plan.local_tokens(me).cpu().numpy().astype(np.int64), token_rows(local * B, lens[local])):
+    expect_tokens = concatenated_ranges(local * B, lens[local])
+    if not np.array_equal(plan.local_tokens(me).cpu().numpy().astype(np.int64), expect_tokens):
         raise ValueError(f"plan.local_tokens({me}) does not list the tokens of plan.local_blocks[{me}] in order")
 
     # Buffer rows of every block on this rank: local first, then received blocks in schedule row order.
@@ -233,7 +227,7 @@ def _exchange(table: np.ndarray, table_nbytes: np.ndarray, direction: str, j: in
             if (first < 0).any():
                 raise ValueError(f"{direction} exchange {j}: rank {me} has no buffer row for "
                                  f"{KIND_NAMES[kind]} blocks {blocks[first < 0].tolist()}")
-            messages.setdefault(p, []).append(_Section(kind, blocks, token_rows(first, lens[blocks])))
+            messages.setdefault(p, []).append(_Section(kind, blocks, concatenated_ranges(first, lens[blocks])))
             message_bytes[p] = message_bytes.get(p, 0) + int(nbytes[a:b].sum())
         sides.append((messages, message_bytes))
     (sends, send_nbytes), (recvs, recv_nbytes) = sides
@@ -248,24 +242,11 @@ class _TileLists:
         self.built = []
 
     def add(self, work, partner, full, bits, work_row_of, partner_row_of):
-        """A host TileList of (work block, partner block) tiles in buffer coordinates: ``TileList.from_tiles``'
-        lists (kernels/tiles.py: the distinct work blocks ascending, each one's FULL then PARTIAL partners
-        ascending), built in numpy."""
+        """A host TileList of (work block, partner block) tiles in buffer coordinates (kernels/tiles.py)."""
         from blockattn.kernels import TileList
 
-        B = self.block_size
-        works = np.unique(work)
-        slot = np.searchsorted(works, work)
-        bits = np.full(work.size, -1, dtype=np.int64) if bits is None else bits
-        parts = []
-        for sel in (np.flatnonzero(full), np.flatnonzero(~full)):
-            order = sel[np.lexsort((partner[sel], slot[sel]))]
-            ptr = np.zeros(works.size + 1, dtype=np.int64)
-            np.cumsum(np.bincount(slot[sel], minlength=works.size), out=ptr[1:])
-            parts += [ptr, partner_row_of[partner[order]], partner[order] * B, bits[order]]
-        fptr, frow, fglob, _, pptr, prow, pglob, pbits = (x.astype(np.int32) for x in parts)
-        tiles = TileList(*(torch.from_numpy(x) for x in (work_row_of[works].astype(np.int32), (works * B).astype(np.int32),
-                                                          fptr, frow, fglob, pptr, prow, pglob, pbits)))
+        tiles = TileList.from_tiles(work, partner, full, block_size=self.block_size, work_row_of=work_row_of,
+                                    partner_row_of=partner_row_of, bits_index=bits)
         self.built.append(tiles)
         return tiles
 
@@ -273,6 +254,8 @@ class _TileLists:
         """A function from each host TileList (or None) to its copy on the mover's device."""
         from blockattn.kernels import TileList
 
+        if mover.device.type == "cpu":
+            return lambda tiles: tiles
         fields = list(TileList.__dataclass_fields__)
         moved = iter(mover.move([getattr(t, f) for t in self.built for f in fields]))
         copies = {id(t): TileList(*(next(moved) for _ in fields)) for t in self.built}

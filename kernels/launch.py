@@ -287,6 +287,21 @@ def merge_partials(outs, lses):
     return out, lse
 
 
+def _check_rows(fn: str, rows, n: int, per: str) -> None:
+    """ValueError unless ``rows`` (of ``fn``) is a 1-D int32/int64 tensor of ``n`` buffer rows, one per ``per``."""
+    if not isinstance(rows, Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) \
+            or rows.numel() != n:
+        raise ValueError(f"{fn}: rows must be a 1-D int32/int64 tensor with one buffer row per {per} ({n}), "
+                         f"got {getattr(rows, 'dtype', type(rows).__name__)} {tuple(getattr(rows, 'shape', ()))}")
+
+
+def _check_rows_range(fn: str, rows: Tensor, R: int) -> None:
+    """ValueError unless the (non-empty) ``rows`` lie in [0, R); checked on the host only (on a GPU the
+    check would wait for the device)."""
+    if rows.device.type == "cpu" and (int(rows.min()) < 0 or int(rows.max()) >= R):
+        raise ValueError(f"{fn}: rows must lie in [0, {R}), got {int(rows.min())}..{int(rows.max())}")
+
+
 def merge_into(out, lse, rows, part_out, part_lse):
     """Fold one partial into a running state in place: for each i, (out[rows[i]], lse[:, rows[i]]) becomes
     the merge of itself with (part_out[i], part_lse[:, i]) - the bits of ``merge_partials`` on the two,
@@ -303,10 +318,7 @@ def merge_into(out, lse, rows, part_out, part_lse):
         raise ValueError(f"merge_into: part_out {tuple(part_out.shape)} must be [n, H={H}, D={D}] like out")
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"merge_into: head dim must be in [1, {MAX_HEAD_DIM}], got {D}")
-    if not isinstance(rows, Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) \
-            or rows.numel() != n:
-        raise ValueError(f"merge_into: rows must be a 1-D int32/int64 tensor with one buffer row per partial row "
-                         f"({n}), got {getattr(rows, 'dtype', type(rows).__name__)} {tuple(getattr(rows, 'shape', ()))}")
+    _check_rows("merge_into", rows, n, "partial row")
     _check_lse("merge_into: lse", lse, H, R, out.device)
     _check_lse("merge_into: part_lse", part_lse, H, n, out.device)
     if part_out.device != out.device or rows.device != out.device:
@@ -314,8 +326,7 @@ def merge_into(out, lse, rows, part_out, part_lse):
                          "move them to one device")
     if n == 0:
         return out, lse
-    if rows.device.type == "cpu" and (int(rows.min()) < 0 or int(rows.max()) >= R):
-        raise ValueError(f"merge_into: rows must lie in [0, {R}), got {int(rows.min())}..{int(rows.max())}")
+    _check_rows_range("merge_into", rows, R)
     _require_runnable(out.device)
     rows = rows.contiguous()
     block_r = 64 if out.device.type == "cuda" else 32
@@ -358,10 +369,7 @@ def add_grad_rows(dst, rows, src):
         raise ValueError(f"add_grad_rows: src must be a [n, H={H}, D={D}] fp16/bf16/fp32 tensor with unit last stride, "
                          f"got {getattr(src, 'dtype', type(src).__name__)} {tuple(getattr(src, 'shape', ()))}")
     n = src.shape[0]
-    if not isinstance(rows, Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) \
-            or rows.numel() != n:
-        raise ValueError(f"add_grad_rows: rows must be a 1-D int32/int64 tensor with one buffer row per src row "
-                         f"({n}), got {getattr(rows, 'dtype', type(rows).__name__)} {tuple(getattr(rows, 'shape', ()))}")
+    _check_rows("add_grad_rows", rows, n, "src row")
     if src.device != dst.device or rows.device != dst.device:
         raise ValueError(f"add_grad_rows: dst on {dst.device}, src on {src.device}, rows on {rows.device}; "
                          "move them to one device")
@@ -369,8 +377,7 @@ def add_grad_rows(dst, rows, src):
         return dst
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"add_grad_rows: head dim must be in [1, {MAX_HEAD_DIM}], got {D}")
-    if rows.device.type == "cpu" and (int(rows.min()) < 0 or int(rows.max()) >= R):
-        raise ValueError(f"add_grad_rows: rows must lie in [0, {R}), got {int(rows.min())}..{int(rows.max())}")
+    _check_rows_range("add_grad_rows", rows, R)
     _require_runnable(dst.device)
     block_r = 64 if dst.device.type == "cuda" else 32
     add_grad_rows_kernel[(triton_cdiv(n, block_r), H)](

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,6 +31,13 @@ def _as_int32(name: str, value, device=None) -> Tensor:
     if t.dtype != torch.int32 and t.numel() and (int(t.min()) < -(2**31) or int(t.max()) >= 2**31):
         raise ValueError(f"{name} does not fit int32 (range {int(t.min())}..{int(t.max())})")
     return t.to(device=device if device is not None else t.device, dtype=torch.int32).contiguous()
+
+
+def _int64_array(value) -> np.ndarray:
+    """A flat int64 numpy copy of an index sequence (a tensor, an array or a list)."""
+    if isinstance(value, Tensor):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value).astype(np.int64).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -182,39 +190,38 @@ class TileList:
         ``work_row_of``/``partner_row_of`` map a global block index to its first buffer row
         (a LongTensor indexed by block, or None for ``row = block * block_size``).
         """
-        wb = torch.as_tensor(work_block, dtype=torch.int64).reshape(-1)
-        pb = torch.as_tensor(partner_block, dtype=torch.int64).reshape(-1)
-        full = torch.as_tensor(is_full, dtype=torch.bool).reshape(-1)
-        if not (wb.numel() == pb.numel() == full.numel()):
-            raise ValueError(f"from_tiles: work_block ({wb.numel()}), partner_block ({pb.numel()}) and "
-                             f"is_full ({full.numel()}) must have one entry per tile")
-        bidx = (torch.full_like(wb, -1) if bits_index is None
-                else torch.as_tensor(bits_index, dtype=torch.int64).reshape(-1))
-        if bidx.numel() != wb.numel():
-            raise ValueError(f"from_tiles: bits_index needs one entry per tile, got {bidx.numel()}")
-        works = (torch.unique(wb) if work_blocks is None
-                 else torch.as_tensor(work_blocks, dtype=torch.int64).reshape(-1))
-        if work_blocks is not None and wb.numel() and not bool(torch.isin(wb, works).all()):
+        # (in numpy: its calls cost a fraction of torch's on these small arrays, and every training step
+        # builds a rank's tile lists afresh for its new plan, blockattn/rank_program.py)
+        wb, pb = _int64_array(work_block), _int64_array(partner_block)
+        full = (is_full.detach().cpu().numpy() if isinstance(is_full, Tensor) else np.asarray(is_full)).astype(bool)
+        full = full.reshape(-1)
+        if not (wb.size == pb.size == full.size):
+            raise ValueError(f"from_tiles: work_block ({wb.size}), partner_block ({pb.size}) and "
+                             f"is_full ({full.size}) must have one entry per tile")
+        bidx = np.full(wb.size, -1, dtype=np.int64) if bits_index is None else _int64_array(bits_index)
+        if bidx.size != wb.size:
+            raise ValueError(f"from_tiles: bits_index needs one entry per tile, got {bidx.size}")
+        works = np.unique(wb) if work_blocks is None else _int64_array(work_blocks)
+        if work_blocks is not None and wb.size and not np.isin(wb, works).all():
             raise ValueError("from_tiles: some tiles belong to a work block not listed in work_blocks")
         B = int(block_size)
-        size = int(max(int(works.max()) if works.numel() else -1, int(wb.max()) if wb.numel() else -1)) + 1
-        pos = torch.full((size,), -1, dtype=torch.int64)
-        pos[works] = torch.arange(works.numel())
-        slot = pos[wb] if wb.numel() else wb
-        row_w = works * B if work_row_of is None else torch.as_tensor(work_row_of, dtype=torch.int64)[works]
-        row_p = pb * B if partner_row_of is None else torch.as_tensor(partner_row_of, dtype=torch.int64)[pb]
+        size = max(int(works.max()) if works.size else -1, int(wb.max()) if wb.size else -1) + 1
+        pos = np.full(size, -1, dtype=np.int64)
+        pos[works] = np.arange(works.size)
+        slot = pos[wb]
+        row_w = works * B if work_row_of is None else _int64_array(work_row_of)[works]
+        row_p = pb * B if partner_row_of is None else _int64_array(partner_row_of)[pb]
+        stride = int(pb.max()) + 1 if pb.size else 1
 
         def csr(sel):
             # sort by (work slot, partner block) so partner lists ascend like the BlockMask's
-            key = slot[sel] * (int(pb.max()) + 1 if pb.numel() else 1) + pb[sel]
-            order = torch.argsort(key, stable=True)
-            counts = torch.bincount(slot[sel], minlength=works.numel())
-            ptr = torch.zeros(works.numel() + 1, dtype=torch.int64)
-            ptr[1:] = torch.cumsum(counts, 0)
-            return ptr, row_p[sel][order], (pb[sel] * B)[order], bidx[sel][order]
+            order = sel[np.argsort(slot[sel] * stride + pb[sel], kind="stable")]
+            ptr = np.zeros(works.size + 1, dtype=np.int64)
+            np.cumsum(np.bincount(slot[sel], minlength=works.size), out=ptr[1:])
+            return ptr, row_p[order], pb[order] * B, bidx[order]
 
-        fptr, frow, fglob, _ = csr(full)
-        pptr, prow, pglob, pbits = csr(~full)
+        fptr, frow, fglob, _ = csr(np.flatnonzero(full))
+        pptr, prow, pglob, pbits = csr(np.flatnonzero(~full))
         return TileList.build(row_w, works * B, fptr, frow, fglob, pptr, prow, pglob, pbits, device=device)
 
     @staticmethod

@@ -97,6 +97,15 @@ def positions_by_key(keys: np.ndarray, n: int) -> list:
     return np.split(order, np.cumsum(np.bincount(keys, minlength=n))[:-1])
 
 
+def concatenated_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """int64: the ranges [start, start + len) concatenated (blocks' tokens or buffer rows, in block order)."""
+    starts, lens = np.asarray(starts, dtype=np.int64), np.asarray(lens, dtype=np.int64)
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
+
+
 def prefix_sums(values: np.ndarray) -> np.ndarray:
     """float64 [n + 1]: 0, then the running sums of ``values`` (``np.r_[0.0, np.cumsum(values)]``)."""
     out = np.empty(values.size + 1, dtype=np.float64)

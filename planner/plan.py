@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .cost_model import CostModel
+from .placement import concatenated_ranges
 from .schedule import BWD_KINDS, FWD_KINDS, KIND_NAMES, CommSchedule
 
 
@@ -73,11 +74,9 @@ class Plan:
         B, T = self.block_size, self.total_len
         result = []
         for blocks in self.local_blocks:
-            starts = blocks.to(torch.int64) * B
-            lens = torch.clamp(T - starts, max=B)
+            starts = blocks.numpy().astype(np.int64) * B
             # token = block start + offset inside the block, blocks concatenated (last may be short)
-            offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-            result.append(torch.repeat_interleave(starts, lens) + offsets)
+            result.append(torch.from_numpy(concatenated_ranges(starts, np.minimum(T - starts, B))))
         return tuple(result)
 
     def local_tokens(self, rank: int) -> torch.Tensor:
