@@ -17,6 +17,7 @@ Writes bench/results/bench_executor_gpu.json.
 
     python bench/bench_executor_gpu.py            # CUDA: two 128K batches on 8 and 32 ranks
     python bench/bench_executor_gpu.py --smoke    # CPU, torch backend, a 4K-token batch: every path, once
+    (--seqlens PATH: document lengths to draw from, default ../shared/data/wikipedia_seqlens.txt)
 """
 from __future__ import annotations
 
@@ -168,6 +169,7 @@ def main(argv=None) -> list:
     ap.add_argument("--smoke", action="store_true", help="CPU, torch backend, a 4K-token batch on 4 ranks")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--seqlens", default=str(SEQLENS), help="document lengths to draw from, one per line")
     args = ap.parse_args(argv)
     if args.smoke:
         device, backend, tokens, configs, repeats = torch.device("cpu"), get_backend("torch"), 4096, [(4, 4)], 1
@@ -178,7 +180,7 @@ def main(argv=None) -> list:
         device, backend, tokens, configs, repeats = torch.device("cuda"), get_backend("triton"), 128 * 1024, \
             [(8, 8), (32, 8)], args.repeats
         heads = HEADS
-    batches = draw_batches(np.random.default_rng(0), np.loadtxt(SEQLENS, dtype=np.int64), tokens, 1)
+    batches = draw_batches(np.random.default_rng(0), np.loadtxt(args.seqlens, dtype=np.int64, ndmin=1), tokens, 1)
     rows = []
     for src, lens in batches:
         spec = make_masks(lens)["causal_docs"]

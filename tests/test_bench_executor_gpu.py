@@ -3,6 +3,7 @@ on a plan whose tiles run away from their q-homes (OUT partials merged, bf16 gra
 with the torch backend, and its CPU smoke run writes its JSON."""
 import json
 
+import numpy as np
 import torch
 
 from bench_scripts import load_bench
@@ -27,9 +28,12 @@ def test_before_and_now_give_the_same_bits_on_every_pass():
 
 
 def test_smoke_run_writes_its_json(tmp_path):
+    # (document lengths of its own: the workplace's shared Wikipedia lengths are not beside every clone)
     bench = load_bench("bench_executor_gpu")
-    out = tmp_path / "executor_gpu.json"
-    rows = bench.main(["--smoke", "--out", str(out)])
+    out, lengths = tmp_path / "executor_gpu.json", tmp_path / "seqlens.txt"
+    rng = np.random.default_rng(0)
+    np.savetxt(lengths, np.maximum(1, rng.lognormal(6.5, 1.3, size=2000)).astype(np.int64), fmt="%d")
+    rows = bench.main(["--smoke", "--out", str(out), "--seqlens", str(lengths)])
     saved = json.loads(out.read_text())
     assert saved["smoke"] and saved["device"] == "cpu" and len(saved["rows"]) == len(rows) == 4
     assert all(r[name]["same_bits"] for r in rows for name in ("backward", "out_merges", "grad_adds"))
